@@ -1,0 +1,387 @@
+"""One libp2p connection: TCP, upgraded with multistream-select to Noise, then to yamux.
+
+Theory of operation. The connection is an asyncio BufferedProtocol reading into one linear
+buffer. During the upgrade, an `_upgrade` coroutine pulls bytes from that buffer and feeds the
+multistream and Noise cores. Once yamux is agreed, every read goes through the fast path in
+`buffer_updated`: Noise frames are decrypted in place into a second buffer (`open_into`), the
+plaintext is fed to the yamux core, and its events are dispatched to Stream objects. Writes go
+the other way: the yamux core queues headers and memoryviews of the caller's data, `_flush` packs
+them into Noise messages of the maximum size, encrypts them into a reusable output buffer and hands
+a few messages at a time to the socket (see ../../shared notes: transport-performance.md).
+
+Bounds: the receive buffer never holds more than one partial Noise frame besides new data, the
+upgrade has a deadline, and any RemoteProtocolError closes this connection alone, with the reason
+logged.
+"""
+
+import asyncio
+import enum
+import time
+
+from ..utils.logging import get_logger
+from .identity import PeerID, PrivateKey
+from .multiaddr import Multiaddr, from_socket_address
+from .protocols import yamux
+from .protocols.errors import ProtocolError, RemoteProtocolError
+from .protocols.multistream import MultistreamDialer, MultistreamListener
+from .protocols.noise import NoiseHandshake, NoiseTransport
+from .stream import Stream
+
+logger = get_logger(__name__)
+
+NOISE_PROTOCOL = "/noise"
+YAMUX_PROTOCOL = "/yamux/1.0.0"
+RECEIVE_BUFFER_SIZE = 1 << 20
+MIN_FREE_SPACE = 128 << 10
+NOISE_MESSAGES_PER_WRITE = 4
+WRITE_HIGH_WATER = 4 << 20
+
+
+class Phase(enum.Enum):
+    UPGRADING = "upgrading"
+    MUXED = "muxed"
+    CLOSED = "closed"
+
+
+class ConnectionClosedError(ConnectionError):
+    """The connection is closed (its streams are reset)."""
+
+
+class Connection(asyncio.BufferedProtocol):
+    """A secured, multiplexed connection to one peer. Created by the Host."""
+
+    def __init__(self, local_key: PrivateKey, *, initiator: bool, expected_peer: PeerID | None = None,
+                 on_stream=None, on_close=None, max_streams: int = 512):
+        self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
+        self.remote_peer: PeerID | None = None
+        self.remote_public_key = None
+        self.remote_addr: Multiaddr | None = None
+        self.local_addr: Multiaddr | None = None
+        self.phase = Phase.UPGRADING
+        self.close_reason: str | None = None
+        self.streams: dict[int, Stream] = {}
+        self._on_stream, self._on_close, self._max_streams = on_stream, on_close, max_streams
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray(RECEIVE_BUFFER_SIZE)
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0
+        self._plain = memoryview(bytearray(RECEIVE_BUFFER_SIZE))
+        self._data_arrived = asyncio.Event()
+        self._made = asyncio.Event()
+        self._eof_received = False
+        self._noise: NoiseTransport | None = None
+        self._yamux: yamux.YamuxSession | None = None
+        self._out = bytearray(NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18))
+        self._staging = bytearray(NoiseTransport.MAX_PLAINTEXT)
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self.closed = asyncio.Event()
+        self.last_activity = 0.0
+
+    # --- asyncio protocol callbacks --------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        if self.phase is Phase.CLOSED:  # refused before the socket arrived (e.g. connection limit)
+            transport.abort()
+            return
+        self._transport = transport
+        self._made.set()
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.last_activity = asyncio.get_running_loop().time()
+        sockname, peername = transport.get_extra_info("sockname"), transport.get_extra_info("peername")
+        if peername:
+            self.remote_addr = from_socket_address(peername[0], peername[1])
+        if sockname:
+            self.local_addr = from_socket_address(sockname[0], sockname[1])
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if len(self._buffer) - self._end < MIN_FREE_SPACE:
+            self._compact()
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._end += nbytes
+        if self.phase is Phase.MUXED:
+            try:
+                self._receive_muxed()
+            except ProtocolError as error:
+                self.abort(f"protocol error: {error}")
+        else:
+            self._data_arrived.set()
+
+    def eof_received(self) -> bool:
+        self._eof_received = True
+        self._data_arrived.set()
+        self.abort("peer closed the connection")
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self._transport = None
+        self.abort(f"connection lost: {exc}" if exc else "connection lost")
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # --- the upgrade ----------------------------------------------------------------------------
+
+    async def upgrade(self) -> None:
+        """Negotiate Noise, authenticate the peer, negotiate yamux. Raises on any failure."""
+        try:
+            await self._made.wait()
+            await self._negotiate_plaintext(NOISE_PROTOCOL)
+            handshake = NoiseHandshake(self.local_key, initiator=self.initiator, expected_peer=self.expected_peer)
+            self._write_raw(handshake.data_to_send())
+            while not handshake.complete:
+                handshake.receive_data(await self._read_raw())
+                self._write_raw(handshake.data_to_send())
+            self.remote_peer, self.remote_public_key = handshake.remote_peer_id, handshake.remote_public_key
+            self._noise = handshake.to_transport()
+            self._prepend_raw(self._noise.pending)
+            leftover = await self._negotiate_encrypted(YAMUX_PROTOCOL)
+        except BaseException as error:
+            self.abort(f"upgrade failed: {error!r}")
+            raise
+        self._yamux = yamux.YamuxSession(is_client=self.initiator, max_streams=self._max_streams)
+        self.phase = Phase.MUXED
+        if leftover or self._start < self._end:
+            self._plain_input(leftover)
+
+    async def _negotiate_plaintext(self, protocol: str) -> None:
+        core = MultistreamDialer([protocol]) if self.initiator else MultistreamListener([protocol])
+        self._write_raw(core.data_to_send())
+        while core.selected is None:
+            core.receive_data(await self._read_raw())
+            self._write_raw(core.data_to_send())
+        self._prepend_raw(core.unused_data)
+
+    async def _negotiate_encrypted(self, protocol: str) -> bytes:
+        core = MultistreamDialer([protocol]) if self.initiator else MultistreamListener([protocol])
+        self._write_encrypted(core.data_to_send())
+        while core.selected is None:
+            core.receive_data(await self._read_decrypted())
+            self._write_encrypted(core.data_to_send())
+        return core.unused_data
+
+    async def _read_raw(self) -> bytes:
+        while self._start == self._end:
+            if self._eof_received or self.phase is Phase.CLOSED:
+                raise ConnectionClosedError(self.close_reason or "peer closed the connection during the upgrade")
+            self._data_arrived.clear()
+            await self._data_arrived.wait()
+        data = bytes(self._view[self._start : self._end])
+        self._start = self._end = 0
+        return data
+
+    async def _read_decrypted(self) -> bytes:
+        while True:
+            if self._start < self._end:
+                consumed, produced = self._noise.open_into(self._view[self._start : self._end], self._plain)
+                self._start += consumed
+                if produced:
+                    return bytes(self._plain[:produced])
+            if self._eof_received or self.phase is Phase.CLOSED:
+                raise ConnectionClosedError(self.close_reason or "peer closed the connection during the upgrade")
+            self._data_arrived.clear()
+            await self._data_arrived.wait()
+
+    def _prepend_raw(self, data: bytes) -> None:
+        """Put bytes that a core read past its end back in front of the receive buffer."""
+        if data:
+            rest = bytes(self._view[self._start : self._end])
+            self._start, self._end = 0, len(data) + len(rest)
+            self._buffer[: self._end] = data + rest
+
+    def _write_raw(self, data: bytes) -> None:
+        if data and self._transport is not None:
+            self._transport.write(data)
+
+    def _write_encrypted(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            piece, view = view[: NoiseTransport.MAX_PLAINTEXT], view[NoiseTransport.MAX_PLAINTEXT :]
+            end = self._noise.seal_into(piece, self._out, 0)
+            self._write_raw(bytes(self._out[:end]))
+
+    # --- the muxed fast path --------------------------------------------------------------------
+
+    def _compact(self) -> None:
+        pending = self._end - self._start
+        if pending and self._start:
+            self._buffer[:pending] = self._view[self._start : self._end]
+        self._start, self._end = 0, pending
+        if len(self._buffer) - self._end < MIN_FREE_SPACE:  # cannot happen with frames <= 64 KiB
+            raise RemoteProtocolError("receive buffer overflow")
+
+    def _receive_muxed(self) -> None:
+        consumed, produced = self._noise.open_into(self._view[self._start : self._end], self._plain)
+        self._start += consumed
+        if self._start == self._end:
+            self._start = self._end = 0
+        if produced:
+            self._dispatch(self._yamux.receive_data(self._plain[:produced], now=time.monotonic()))
+        self._flush()
+
+    def _plain_input(self, leftover: bytes) -> None:
+        try:
+            if leftover:
+                self._dispatch(self._yamux.receive_data(leftover, now=time.monotonic()))
+            self._receive_muxed()
+        except ProtocolError as error:
+            self.abort(f"protocol error: {error}")
+
+    def _dispatch(self, events) -> None:
+        self.last_activity = asyncio.get_running_loop().time()
+        streams = self.streams
+        for event in events:
+            kind = type(event)
+            if kind is yamux.DataReceived:
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream._on_data(event.data)
+            elif kind is yamux.StreamOpened:
+                stream = streams[event.stream_id] = Stream(self, event.stream_id)
+                if self._on_stream is not None:
+                    self._on_stream(stream)
+            elif kind is yamux.WindowUpdated:
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream._on_window()
+            elif kind is yamux.StreamEnded:
+                stream = streams.get(event.stream_id)
+                if stream is not None:
+                    stream._on_eof()
+                    self._forget_if_done(stream)
+            elif kind is yamux.StreamReset:
+                stream = streams.pop(event.stream_id, None)
+                if stream is not None:
+                    stream._on_reset("stream reset by peer")
+            elif kind is yamux.GoAwayReceived:
+                logger.debug(f"{self}: peer sent go-away (code {event.code})")
+
+    def _flush(self) -> None:
+        """Encrypt everything the yamux core queued into Noise messages and write them out."""
+        chunks = self._yamux.data_to_send()
+        if not chunks or self._transport is None:
+            return
+        limit = NoiseTransport.MAX_PLAINTEXT
+        out, staging, noise = self._out, self._staging, self._noise
+        out_end = staged = 0
+        out_limit = len(out) - (limit + 18)
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                if not staged and len(view) >= limit:
+                    out_end = noise.seal_into(view[:limit], out, out_end)
+                    view = view[limit:]
+                else:
+                    take = min(limit - staged, len(view))
+                    staging[staged : staged + take] = view[:take]
+                    staged += take
+                    view = view[take:]
+                    if staged == limit:
+                        out_end = noise.seal_into(staging, out, out_end)
+                        staged = 0
+                if out_end > out_limit:
+                    out = self._write_out(out_end)
+                    out_end = 0
+        if staged:
+            out_end = noise.seal_into(memoryview(staging)[:staged], out, out_end)
+        if out_end:
+            self._write_out(out_end)
+
+    def _write_out(self, length: int) -> bytearray:
+        """Write out[:length]; return the buffer to use next (a fresh one if the socket kept ours)."""
+        transport = self._transport
+        transport.write(memoryview(self._out)[:length])
+        if transport.get_write_buffer_size():
+            self._out = bytearray(len(self._out))
+        return self._out
+
+    # --- used by streams and the host -----------------------------------------------------------
+
+    def open_stream(self) -> Stream:
+        if self.phase is not Phase.MUXED:
+            raise ConnectionClosedError(f"connection to {self.remote_peer} is {self.phase.value}")
+        stream_id = self._yamux.open_stream()
+        stream = self.streams[stream_id] = Stream(self, stream_id)
+        self._flush()
+        return stream
+
+    async def _wait_writable(self) -> None:
+        if self.phase is not Phase.MUXED:
+            raise ConnectionClosedError(self.close_reason or "connection closed")
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+            if self.phase is not Phase.MUXED:
+                raise ConnectionClosedError(self.close_reason or "connection closed")
+
+    def _send(self, stream_id: int, data: memoryview) -> int:
+        accepted = self._yamux.send_data(stream_id, data)
+        if accepted:
+            self._flush()
+        return accepted
+
+    def _stream_consumed(self, stream_id: int, n: int) -> None:
+        if self.phase is Phase.MUXED and n:
+            self._yamux.consumed(stream_id, n, now=time.monotonic())
+            self._flush()
+
+    def _end_stream(self, stream_id: int) -> None:
+        if self.phase is Phase.MUXED:
+            self._yamux.end_stream(stream_id)
+            self._flush()
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                self._forget_if_done(stream)
+
+    def _reset_stream(self, stream_id: int) -> None:
+        self.streams.pop(stream_id, None)
+        if self.phase is Phase.MUXED:
+            try:
+                self._yamux.reset_stream(stream_id)
+            except ProtocolError:
+                return
+            self._flush()
+
+    def _forget_if_done(self, stream: Stream) -> None:
+        if stream._eof and stream._write_closed:
+            self.streams.pop(stream.stream_id, None)
+
+    def abort(self, reason: str) -> None:
+        """Close at once: reset every stream, drop the socket. Safe to call more than once."""
+        if self.phase is Phase.CLOSED:
+            return
+        if self.remote_peer is not None and self.phase is Phase.MUXED:
+            logger.debug(f"{self}: closing ({reason})")
+        self.phase, self.close_reason = Phase.CLOSED, reason
+        for stream in self.streams.values():
+            stream._on_reset(f"connection closed: {reason}")
+        self.streams.clear()
+        if self._transport is not None:
+            self._transport.abort()
+        self._data_arrived.set()
+        self._made.set()
+        self._can_write.set()
+        self.closed.set()
+        if self._on_close is not None:
+            self._on_close(self)
+
+    async def close(self) -> None:
+        """Say go-away, flush, then close the socket."""
+        if self.phase is Phase.MUXED and self._transport is not None:
+            self._yamux.go_away(0)
+            self._flush()
+            self._transport.close()
+        self.abort("closed locally")
+
+    @property
+    def is_closed(self) -> bool:
+        return self.phase is Phase.CLOSED
+
+    def __repr__(self) -> str:
+        peer = self.remote_peer.short() if self.remote_peer else "?"
+        return f"<Connection {peer} {self.remote_addr} {self.phase.value} streams={len(self.streams)}>"
+

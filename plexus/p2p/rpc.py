@@ -1,0 +1,199 @@
+"""Typed RPC over libp2p streams: unary, client-, server- and bidirectional streaming calls.
+
+Each RPC method has its own versioned protocol id (e.g. `/plexus/dht/1.0.0`), declared once by
+the service that uses it, never derived from a Python class name. A call opens one stream
+(multistream negotiation rides along with the request, so a unary call costs one round trip),
+the caller writes its request frame(s) and half-closes, the handler writes response frame(s)
+and closes. Frames are `kind (1 byte) | uvarint length | payload`; kind 0 is a message, kind 1
+an error carrying the handler's message as UTF-8, after which the stream ends.
+
+Messages are `bytes` or any class with `encode() -> bytes` and a `decode(bytes)` classmethod
+(see `plexus.p2p.messages.Message`). Every frame is bounded by `max_message_size`; a handler
+that raises, or a caller that sends garbage, costs that one stream and nothing else.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..utils.logging import get_logger
+from .host import Host
+from .identity import PeerID
+from .protocols.varint import encode_uvarint
+from .stream import Stream, StreamError, read_varint
+
+logger = get_logger(__name__)
+
+MESSAGE, ERROR = 0, 1
+DEFAULT_MAX_MESSAGE_SIZE = 4 << 20
+MAX_ERROR_SIZE = 64 << 10
+SMALL_FRAME = 64 << 10
+
+
+class RPCError(Exception):
+    """The remote handler failed; the message is the handler's own error text."""
+
+    def __init__(self, message: str, peer: PeerID | None = None, protocol: str | None = None):
+        super().__init__(message)
+        self.peer, self.protocol = peer, protocol
+
+
+class RPCProtocolError(Exception):
+    """The other side broke the RPC framing (bad frame kind, oversized message, bad encoding)."""
+
+
+class RPCContext:
+    """What a handler knows about its caller."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.remote_peer: PeerID = stream.remote_peer
+        self.protocol: str = stream.protocol
+
+
+def _encode(message) -> bytes:
+    return message if isinstance(message, (bytes, bytearray, memoryview)) else message.encode()
+
+
+def _decode(message_type, data: bytes):
+    if message_type is bytes:
+        return data
+    try:
+        return message_type.decode(data)
+    except Exception as error:  # any decoding failure is the sender's fault
+        raise RPCProtocolError(f"malformed {message_type.__name__}: {error}") from None
+
+
+async def write_frame(stream: Stream, message, kind: int = MESSAGE) -> None:
+    payload = _encode(message)
+    header = bytes([kind]) + encode_uvarint(len(payload))
+    if len(payload) <= SMALL_FRAME:
+        await stream.write(header + bytes(payload))
+    else:  # large payloads go out without being copied behind the header
+        await stream.write(header)
+        await stream.write(payload)
+
+
+async def read_frame(stream: Stream, max_size: int) -> tuple[int, bytes] | None:
+    """Read one frame; None at a clean end of stream."""
+    kind = await stream.read(1)
+    if not kind:
+        return None
+    if kind[0] not in (MESSAGE, ERROR):
+        raise RPCProtocolError(f"unknown RPC frame kind {kind[0]} on {stream.protocol}")
+    length = await read_varint(stream)
+    if length is None:
+        raise RPCProtocolError("stream ended inside an RPC frame header")
+    limit = max_size if kind[0] == MESSAGE else MAX_ERROR_SIZE
+    if length > limit:
+        raise RPCProtocolError(f"a {length}-byte RPC message on {stream.protocol} exceeds the {limit}-byte limit")
+    return kind[0], await stream.readexactly(length) if length else b""
+
+
+async def _read_messages(stream: Stream, message_type, max_size: int, peer=None) -> AsyncIterator:
+    while (frame := await read_frame(stream, max_size)) is not None:
+        kind, payload = frame
+        if kind == ERROR:
+            raise RPCError(payload.decode(errors="replace"), peer, stream.protocol)
+        yield _decode(message_type, payload)
+
+
+def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_type=bytes, response_type=bytes, *,
+                stream_input: bool = False, stream_output: bool = False,
+                max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> None:
+    """Serve `protocol` with `handler(request_or_iterator, context)`.
+
+    The handler gets one decoded request, or an async iterator of them when `stream_input`;
+    it returns one response, or is an async generator of them when `stream_output`.
+    """
+
+    async def serve(stream: Stream) -> None:
+        context = RPCContext(stream)
+        try:
+            requests = _read_messages(stream, request_type, max_message_size, context.remote_peer)
+            if stream_input:
+                request = requests
+            else:
+                request = await anext(requests, None)
+                if request is None:
+                    raise RPCProtocolError("the caller sent no request")
+                if await anext(requests, None) is not None:
+                    raise RPCProtocolError("the caller sent more than one request to a unary method")
+            if stream_output:
+                async for response in handler(request, context):
+                    await write_frame(stream, response)
+            else:
+                await write_frame(stream, await handler(request, context))
+        except (StreamError, ConnectionError, asyncio.IncompleteReadError):
+            raise
+        except asyncio.CancelledError:
+            stream.reset()
+            raise
+        except Exception as error:
+            if not isinstance(error, (RPCProtocolError, RPCError)):
+                logger.debug(f"{protocol} handler failed for {context.remote_peer}: {error!r}", exc_info=True)
+            message = str(error) or type(error).__name__
+            await write_frame(stream, message.encode()[:MAX_ERROR_SIZE], ERROR)
+        await stream.close()
+
+    host.set_stream_handler(protocol, serve)
+
+
+async def call(host: Host, peer: PeerID, protocol: str, request, response_type=bytes, *,
+               timeout: float | None = None, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE):
+    """Unary call: send one request, return the one response. Raises RPCError, TimeoutError."""
+    async with asyncio.timeout(timeout):
+        stream = await host.new_stream(peer, protocol, lazy=True)
+        try:
+            await write_frame(stream, request)
+            await stream.close()
+            responses = _read_messages(stream, response_type, max_message_size, peer)
+            response = await anext(responses, None)
+            if response is None:
+                raise RPCProtocolError(f"{peer} closed {protocol} without a response")
+            return response
+        except BaseException:
+            stream.reset()
+            raise
+
+
+async def call_stream(host: Host, peer: PeerID, protocol: str, requests, response_type=bytes, *,
+                      timeout: float | None = None,
+                      max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> AsyncIterator:
+    """Streaming call: `requests` is one message or an async iterable; yields the responses.
+
+    Requests are sent by a background task while responses are read, so bidirectional streams
+    never deadlock on full windows. `timeout` bounds the whole call.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    async with asyncio.timeout_at(deadline):
+        stream = await host.new_stream(peer, protocol, lazy=True)
+
+    async def send() -> None:
+        if hasattr(requests, "__aiter__"):
+            async for request in requests:
+                await write_frame(stream, request)
+        else:
+            await write_frame(stream, requests)
+        await stream.close()
+
+    sender = loop.create_task(send())
+    try:
+        messages = _read_messages(stream, response_type, max_message_size, peer)
+        while True:
+            async with asyncio.timeout_at(deadline):
+                try:
+                    response = await anext(messages)
+                except StopAsyncIteration:
+                    break
+            yield response
+        await sender
+    finally:
+        if not sender.done():
+            sender.cancel()
+            stream.reset()
+        elif not sender.cancelled() and sender.exception() is not None:
+            stream.reset()
+            raise sender.exception()
+

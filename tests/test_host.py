@@ -1,0 +1,239 @@
+"""The Host over real TCP on 127.0.0.1: dial, reuse, streams, identify, ping, limits, bad peers, shutdown."""
+
+import asyncio
+import hashlib
+import os
+import socket
+
+import pytest
+
+from plexus.p2p.connection import Connection
+from plexus.p2p.host import DialError, Host
+from plexus.p2p.identity import PrivateKey, load_or_create_identity
+from plexus.p2p.multiaddr import Multiaddr
+from plexus.p2p.protocols.multistream import NegotiationError
+from plexus.p2p.stream import StreamError, StreamResetError
+
+pytestmark = pytest.mark.timeout(30)
+LOCAL = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 25))
+
+
+async def hosts(n: int, **options) -> list[Host]:
+    return [await Host(host_maddrs=LOCAL, **options).start() for _ in range(n)]
+
+
+async def shutdown(*all_hosts: Host) -> None:
+    for host in all_hosts:
+        await host.shutdown()
+
+
+async def echo(stream) -> None:
+    while data := await stream.read():
+        await stream.write(data)
+    await stream.close()
+
+
+def test_ping_identify_and_visible_addresses():
+    async def main():
+        a, b = await hosts(2)
+        (addr,) = b.get_visible_maddrs()
+        assert addr.peer_id == b.peer_id and str(addr).startswith("/ip4/127.0.0.1/tcp/")
+        assert await a.ping(addr) < 5
+        info = await a.identify(b.peer_id, timeout=5)
+        assert "/ipfs/ping/1.0.0" in info.protocols and "/ipfs/id/1.0.0" in info.protocols
+        assert info.addrs == [addr.without_peer_id()]
+        assert info.observed_addr.value_for_protocol("ip4") == "127.0.0.1"
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_wildcard_listener_announces_loopback_and_announce_maddrs_win():
+    async def main():
+        (a,) = [await Host(host_maddrs=("/ip4/0.0.0.0/tcp/0",)).start()]
+        port = a.get_listen_maddrs()[0].value_for_protocol("tcp")
+        assert Multiaddr(f"/ip4/127.0.0.1/tcp/{port}").with_peer_id(a.peer_id) in a.get_visible_maddrs()
+        b = await Host(host_maddrs=LOCAL, announce_maddrs=("/ip4/203.0.113.7/tcp/4001",)).start()
+        assert [str(m) for m in b.get_visible_maddrs()] == [f"/ip4/203.0.113.7/tcp/4001/p2p/{b.peer_id}"]
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_one_connection_per_peer_pair_and_concurrent_dials_share():
+    async def main():
+        a, b = await hosts(2)
+        addr = b.get_visible_maddrs()[0]
+        connections = await asyncio.gather(*(a.connect(addr) for _ in range(10)))
+        assert len(set(map(id, connections))) == 1
+        await a.ping(b.peer_id)
+        await b.ping(a.peer_id)  # b reuses the inbound connection instead of dialing back
+        assert len(a._connections[b.peer_id]) == 1 and len(b._connections[a.peer_id]) == 1
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_streams_carry_data_both_ways_with_half_close():
+    async def main():
+        a, b = await hosts(2)
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        payload = os.urandom(3 << 20)
+        stream = await a.new_stream(b.get_visible_maddrs()[0], ["/test/missing/1.0.0", "/test/echo/1.0.0"])
+        assert stream.protocol == "/test/echo/1.0.0"
+
+        async def send():
+            await stream.write(payload)
+            await stream.close()
+
+        sender = asyncio.create_task(send())
+        received = await stream.read_until_eof(limit=4 << 20)
+        await sender
+        assert hashlib.sha256(received).digest() == hashlib.sha256(payload).digest()
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_many_concurrent_streams():
+    async def main():
+        a, b = await hosts(2)
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        addr = b.get_visible_maddrs()[0]
+
+        async def one(i: int):
+            stream = await a.new_stream(addr, "/test/echo/1.0.0", lazy=True)
+            message = f"message {i}".encode() * 100
+            await stream.write(message)
+            await stream.close()
+            assert await stream.read_until_eof(limit=1 << 20) == message
+
+        await asyncio.gather(*(one(i) for i in range(200)))
+        assert not a.get_connection(b.peer_id).streams
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_unknown_protocol_is_refused_clearly():
+    async def main():
+        a, b = await hosts(2)
+        with pytest.raises(NegotiationError, match="/test/nothing"):
+            await a.new_stream(b.get_visible_maddrs()[0], "/test/nothing/1.0.0")
+        lazy = await a.new_stream(b.get_visible_maddrs()[0], "/test/nothing/1.0.0", lazy=True)
+        with pytest.raises(NegotiationError):
+            await lazy.read()
+        assert await a.ping(b.peer_id) < 5  # the connection is still fine
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_peer_id_mismatch_is_refused():
+    async def main():
+        a, b = await hosts(2)
+        impostor = PrivateKey.generate().peer_id
+        wrong = b.get_visible_maddrs()[0].without_peer_id().with_peer_id(impostor)
+        with pytest.raises(DialError, match="peer id mismatch"):
+            await a.connect(wrong)
+        with pytest.raises(DialError, match="no /p2p/"):
+            await a.connect(b.get_visible_maddrs()[0].without_peer_id())
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_dial_error_names_each_address():
+    async def main():
+        (a,) = await hosts(1)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        target = PrivateKey.generate().peer_id
+        with pytest.raises(DialError, match=f"127.0.0.1/tcp/{port}: connection refused"):
+            await a.connect(Multiaddr(f"/ip4/127.0.0.1/tcp/{port}").with_peer_id(target))
+        await shutdown(a)
+
+    run(main())
+
+
+def test_handler_errors_and_garbage_do_not_take_the_host_down():
+    async def main():
+        a, b = await hosts(2)
+
+        async def broken(stream):
+            raise RuntimeError("handler bug")
+
+        b.set_stream_handler("/test/broken/1.0.0", broken)
+        stream = await a.new_stream(b.get_visible_maddrs()[0], "/test/broken/1.0.0")
+        with pytest.raises(StreamResetError):
+            await stream.read()
+        port = int(b.get_listen_maddrs()[0].value_for_protocol("tcp"))
+        for garbage in (b"\x00" * 100, os.urandom(5000), b"\x13/multistream/1.0.0\n\x07/noise\n" + os.urandom(300)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(garbage)
+            writer.write_eof()  # a peer that sends garbage and stops: the host must close, not wait
+            await reader.read()
+            writer.close()
+        assert await a.ping(b.peer_id) < 5
+        c = await Host(host_maddrs=()).start()
+        assert await c.ping(b.get_visible_maddrs()[0]) < 5
+        await shutdown(a, b, c)
+
+    run(main())
+
+
+def test_connection_limit_and_idle_timeout():
+    async def main():
+        (server,) = await hosts(1, max_connections=2, idle_timeout=0.3)
+        addr = server.get_visible_maddrs()[0]
+        clients = [await Host(host_maddrs=()).start() for _ in range(3)]
+        first = await clients[0].connect(addr)
+        await clients[1].connect(addr)
+        with pytest.raises((DialError, ConnectionError)):
+            await clients[2].connect(addr)
+        await asyncio.wait_for(first.closed.wait(), 5)  # closed by the server's idle sweep
+        assert await clients[2].ping(addr) < 5  # room again once idle connections are gone
+        await shutdown(server, *clients)
+
+    run(main())
+
+
+def test_shutdown_leaves_no_tasks_or_sockets():
+    async def main():
+        before = {task for task in asyncio.all_tasks()}
+        a, b = await hosts(2)
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        stream = await a.new_stream(b.get_visible_maddrs()[0], "/test/echo/1.0.0")
+        await stream.write(b"open stream during shutdown")
+        await shutdown(a, b)
+        await asyncio.sleep(0)  # let cancelled callbacks run once
+        assert {task for task in asyncio.all_tasks()} - before == set()
+        assert not a._connections and not b._connections
+        with pytest.raises(StreamError):
+            await stream.write(b"more")
+
+    run(main())
+
+
+def test_identity_file_keeps_the_peer_id(tmp_path):
+    path = tmp_path / "keys" / "identity.key"
+    first = load_or_create_identity(path)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert load_or_create_identity(path).peer_id == first.peer_id
+
+    async def main():
+        host = await Host(first, host_maddrs=LOCAL).start()
+        assert host.peer_id == first.peer_id
+        await host.shutdown()
+
+    run(main())
+
+
+def test_connection_repr_shows_state():
+    connection = Connection(PrivateKey.generate(), initiator=True)
+    assert "upgrading" in repr(connection)

@@ -1,0 +1,137 @@
+"""RPC over real hosts: unary and streaming calls, typed messages, errors, timeouts, limits."""
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from plexus.p2p import rpc
+from plexus.p2p.host import Host
+from plexus.p2p.messages import Message
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass(frozen=True)
+class Add(Message):
+    a: int
+    b: int
+
+
+@dataclass(frozen=True)
+class Sum(Message):
+    total: int
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 25))
+
+
+async def pair():
+    a = await Host(host_maddrs=()).start()
+    b = await Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)).start()
+    a.add_addrs(b.peer_id, b.get_listen_maddrs())
+    return a, b
+
+
+def test_unary_typed_call_and_handler_error():
+    async def main():
+        a, b = await pair()
+
+        async def add(request: Add, context) -> Sum:
+            assert context.remote_peer == a.peer_id
+            if request.a < 0:
+                raise ValueError("negative numbers are not welcome here")
+            return Sum(request.a + request.b)
+
+        rpc.add_handler(b, "/test/add/1.0.0", add, Add, Sum)
+        assert await rpc.call(a, b.peer_id, "/test/add/1.0.0", Add(2, 3), Sum, timeout=5) == Sum(5)
+        with pytest.raises(rpc.RPCError, match="negative numbers are not welcome here"):
+            await rpc.call(a, b.peer_id, "/test/add/1.0.0", Add(-1, 3), Sum, timeout=5)
+        # garbage instead of an Add: a clear error comes back, and the service keeps serving
+        with pytest.raises(rpc.RPCError, match="malformed Add"):
+            await rpc.call(a, b.peer_id, "/test/add/1.0.0", b"\x93\x01\x02\x03", Sum, timeout=5)
+        assert await rpc.call(a, b.peer_id, "/test/add/1.0.0", Add(1, 1), Sum, timeout=5) == Sum(2)
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())
+
+
+def test_server_client_and_bidirectional_streaming():
+    async def main():
+        a, b = await pair()
+
+        async def count(request: bytes, context):
+            for i in range(int(request)):
+                yield str(i).encode()
+
+        async def total(requests, context):
+            return str(sum([int(r) async for r in requests])).encode()
+
+        async def doubler(requests, context):
+            async for request in requests:
+                yield request * 2
+
+        rpc.add_handler(b, "/test/count/1.0.0", count, stream_output=True)
+        rpc.add_handler(b, "/test/total/1.0.0", total, stream_input=True)
+        rpc.add_handler(b, "/test/double/1.0.0", doubler, stream_input=True, stream_output=True)
+        got = [r async for r in rpc.call_stream(a, b.peer_id, "/test/count/1.0.0", b"5", timeout=5)]
+        assert got == [b"0", b"1", b"2", b"3", b"4"]
+
+        async def numbers():
+            for i in range(100):
+                yield str(i).encode()
+
+        got = [r async for r in rpc.call_stream(a, b.peer_id, "/test/total/1.0.0", numbers(), timeout=5)]
+        assert got == [b"4950"]
+
+        async def big_parts():  # more than a window's worth in flight in both directions
+            for i in range(8):
+                yield bytes([i]) * (1 << 20)
+
+        got = [r async for r in rpc.call_stream(a, b.peer_id, "/test/double/1.0.0", big_parts(), timeout=10,
+                                                max_message_size=4 << 20)]
+        assert [len(r) for r in got] == [2 << 20] * 8 and [r[0] for r in got] == list(range(8))
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())
+
+
+def test_timeout_bounds_the_call_and_limits_hold():
+    async def main():
+        a, b = await pair()
+        never = asyncio.Event()
+
+        async def stuck(request, context):
+            await never.wait()
+
+        async def echo(request, context):
+            return request
+
+        rpc.add_handler(b, "/test/stuck/1.0.0", stuck)
+        rpc.add_handler(b, "/test/echo/1.0.0", echo, max_message_size=1024)
+        with pytest.raises(TimeoutError):
+            await rpc.call(a, b.peer_id, "/test/stuck/1.0.0", b"x", timeout=0.2)
+        with pytest.raises(rpc.RPCError, match="exceeds the 1024-byte limit"):
+            await rpc.call(a, b.peer_id, "/test/echo/1.0.0", b"x" * 2000, timeout=5)
+        with pytest.raises(rpc.RPCProtocolError, match="exceeds"):
+            rpc.add_handler(b, "/test/big/1.0.0", lambda r, c: _big())
+            await rpc.call(a, b.peer_id, "/test/big/1.0.0", b"", timeout=5, max_message_size=1000)
+        assert await rpc.call(a, b.peer_id, "/test/echo/1.0.0", b"still fine", timeout=5) == b"still fine"
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())
+
+
+async def _big():
+    return b"y" * 5000
+
+
+def test_message_decoding_validates_every_field():
+    assert Add.decode(Add(1, 2).encode()) == Add(1, 2)
+    for bad in (b"", b"\xc1", Sum(1).encode(), b"\x92\xa1x\x01"):
+        with pytest.raises(ValueError):
+            Add.decode(bad)

@@ -96,11 +96,25 @@ def _node_id(value: Any, where: str, optional: bool = False) -> DHTID | None:
     return DHTID.from_bytes(raw)
 
 
+# Find responses repeat the same few peers, and parsing a PeerID costs a base58 encode: remember
+# recent ones (bounded, oldest dropped first). Both caches hold only values that passed validation.
+PEER_ID_CACHE_SIZE = 4096
+_peer_id_cache: dict[bytes, PeerID] = {}
+_neighbour_cache: dict[tuple[bytes, bytes], tuple[DHTID, PeerID]] = {}
+
+
 def _peer_id(value: Any, where: str) -> PeerID:
-    try:
-        return PeerID(_bytes(value, where, MAX_PEER_ID_LENGTH))
-    except IdentityError as error:
-        raise _fail(where, str(error)) from None
+    raw = _bytes(value, where, MAX_PEER_ID_LENGTH)
+    peer_id = _peer_id_cache.get(raw)
+    if peer_id is None:
+        try:
+            peer_id = PeerID(raw)
+        except IdentityError as error:
+            raise _fail(where, str(error)) from None
+        if len(_peer_id_cache) >= PEER_ID_CACHE_SIZE:
+            _peer_id_cache.pop(next(iter(_peer_id_cache)))
+        _peer_id_cache[raw] = peer_id
+    return peer_id
 
 
 def _optional_node_id_bytes(node_id: DHTID | None) -> bytes | None:
@@ -317,7 +331,14 @@ class FindResult:
         neighbours = []
         for i, pair in enumerate(nearest):
             uid, peer = _fields(pair, f"{where}.nearest[{i}]", 2)
-            neighbours.append((_node_id(uid, f"{where}.nearest[{i}]"), _peer_id(peer, f"{where}.nearest[{i}]")))
+            cache_key = (uid, peer) if type(uid) is bytes and type(peer) is bytes else None
+            neighbour = _neighbour_cache.get(cache_key) if cache_key is not None else None
+            if neighbour is None:
+                neighbour = (_node_id(uid, f"{where}.nearest[{i}]"), _peer_id(peer, f"{where}.nearest[{i}]"))
+                if len(_neighbour_cache) >= PEER_ID_CACHE_SIZE:
+                    _neighbour_cache.pop(next(iter(_neighbour_cache)))
+                _neighbour_cache[cache_key] = neighbour
+            neighbours.append(neighbour)
         value = entries = None
         if kind == 0:
             if payload is not None:

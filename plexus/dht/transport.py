@@ -1,0 +1,28 @@
+"""What the DHT node needs from the network: send request bytes to a peer, serve ours, close.
+
+The libp2p host (`/plexus/dht/1.0.0` streams) and `plexus.testing.MemoryNetwork` both implement
+it, so every DHT behaviour is testable without sockets. Messages cross it as bytes
+(`plexus.dht.messages`); the transport authenticates the remote PeerID, which is why messages
+carry no sender address.
+"""
+
+from typing import Awaitable, Callable, Protocol
+
+from ..p2p.identity import PeerID
+
+RequestHandler = Callable[[PeerID, bytes], Awaitable[bytes]]
+
+
+class DHTTransport(Protocol):
+    local_peer_id: PeerID
+
+    async def call(self, peer: PeerID, request_bytes: bytes, timeout: float) -> bytes:
+        """Send one request and return the response bytes. Raises TimeoutError, ConnectionError
+        (or another OSError), or `plexus.dht.messages.DHTRPCError(message)` on failure."""
+
+    def serve(self, handler: RequestHandler) -> None:
+        """Route incoming requests to `handler(sender, request_bytes) -> response_bytes`.
+        Never called for a client-mode node."""
+
+    async def close(self) -> None:
+        """Stop serving and drop connections; later calls fail with ConnectionError."""

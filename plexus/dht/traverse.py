@@ -1,0 +1,171 @@
+"""Iterative Kademlia lookup for many keys at once, as a sans-I/O beam search.
+
+Theory of operation. Each query (a DHTID) keeps a heap of *candidates* (peers heard of but not yet
+asked, nearest first), the set of peers already asked, and its *beam*: the `beam_size` nearest
+peers that answered. `next_queries()` hands the driver requests to send while fewer than
+`num_workers` are in flight: it picks the unfinished query with the fewest requests in flight, asks
+that query's nearest candidate, and packs into the same request up to `queries_per_call - 1`
+other unfinished queries nearest to that peer, so one round trip advances several lookups. The
+driver reports each answer with `on_response(request, neighbours_by_query)` or `on_failure`.
+
+A query is finished when the caller says so (`finish`, e.g. a fresh enough value was found), or
+when its beam has settled: no candidate and no request in flight is nearer than the farthest
+member of a full beam (or, with the beam not full, nothing is left to ask or wait for). The
+lookup is `done` when every query is finished; the driver then drops requests still in flight.
+Nothing here knows about values, time or the network.
+"""
+
+import dataclasses
+import heapq
+import itertools
+import math
+from typing import Iterable, Mapping, Sequence
+
+from ..p2p.identity import PeerID
+from .routing import DHTID
+
+Neighbours = Sequence[tuple[DHTID, PeerID]]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TraversalRequest:
+    """Ask `peer_id` (DHT id `node_id`) about `queries`; compared by identity."""
+
+    node_id: DHTID
+    peer_id: PeerID
+    queries: tuple[DHTID, ...]
+
+
+class _QueryState:
+    __slots__ = ("query", "candidates", "asked", "beam", "in_flight", "finished")
+
+    def __init__(self, query: DHTID):
+        self.query = query
+        self.candidates: list[tuple[int, DHTID]] = []
+        self.asked: set[DHTID] = set()
+        self.beam: list[tuple[int, DHTID]] = []  # max-heap of the nearest responders, as (-distance, id)
+        self.in_flight: list[DHTID] = []
+        self.finished = False
+
+
+class Traversal:
+    """A multi-key beam search; see the module docstring for the protocol between it and its driver."""
+
+    def __init__(
+        self,
+        queries: Iterable[DHTID],
+        initial_nodes: Mapping[DHTID, Neighbours] | Neighbours,
+        beam_size: int,
+        num_workers: int = 4,
+        queries_per_call: int | None = None,
+        exclude: Iterable[DHTID] = (),
+    ):
+        if beam_size < 1 or num_workers < 1:
+            raise ValueError("beam_size and num_workers must be positive")
+        self._states = {query: _QueryState(query) for query in queries}
+        self.beam_size, self.num_workers = beam_size, num_workers
+        self.queries_per_call = queries_per_call or max(1, math.isqrt(len(self._states)))
+        self._peers: dict[DHTID, PeerID] = {}
+        self._failed: set[DHTID] = set(exclude)
+        self._in_flight: set[TraversalRequest] = set()
+        self._order = itertools.count()
+        for query, state in self._states.items():
+            nodes = initial_nodes.get(query, ()) if isinstance(initial_nodes, Mapping) else initial_nodes
+            self._add_candidates(state, nodes)
+
+    @property
+    def queries(self) -> tuple[DHTID, ...]:
+        return tuple(self._states)
+
+    def _add_candidates(self, state: _QueryState, nodes: Neighbours) -> None:
+        for node_id, peer_id in nodes:
+            if node_id in self._failed or node_id in state.asked:
+                continue
+            self._peers.setdefault(node_id, peer_id)
+            heapq.heappush(state.candidates, (node_id ^ state.query, node_id))
+
+    def _nearest_candidate(self, state: _QueryState) -> tuple[int, DHTID] | None:
+        while state.candidates:
+            distance, node_id = state.candidates[0]
+            if node_id not in state.asked and node_id not in self._failed:
+                return distance, node_id
+            heapq.heappop(state.candidates)
+        return None
+
+    def _beam_bound(self, state: _QueryState) -> float:
+        return -state.beam[0][0] if len(state.beam) >= self.beam_size else math.inf
+
+    def _update_finished(self, state: _QueryState) -> bool:
+        if not state.finished:
+            bound = self._beam_bound(state)
+            candidate = self._nearest_candidate(state)
+            waiting = any((node_id ^ state.query) < bound for node_id in state.in_flight)
+            if not waiting and (candidate is None or candidate[0] >= bound):
+                state.finished = True
+        return state.finished
+
+    def next_queries(self) -> list[TraversalRequest]:
+        """Requests to send now, keeping at most `num_workers` in flight; may be empty."""
+        requests = []
+        while len(self._in_flight) < self.num_workers:
+            open_states = [s for s in self._states.values() if not self._update_finished(s)]
+            askable = [s for s in open_states if self._nearest_candidate(s) is not None]
+            if not askable:
+                break
+            primary = min(askable, key=lambda s: len(s.in_flight))
+            _, node_id = heapq.heappop(primary.candidates)
+            others = [s for s in askable if s is not primary and node_id not in s.asked]
+            others = heapq.nsmallest(self.queries_per_call - 1, others, key=lambda s: s.query ^ node_id)
+            request = TraversalRequest(node_id, self._peers[node_id], tuple(s.query for s in (primary, *others)))
+            for state in (primary, *others):
+                state.asked.add(node_id)
+                state.in_flight.append(node_id)
+            self._in_flight.add(request)
+            requests.append(request)
+        return requests
+
+    def _complete(self, request: TraversalRequest) -> list[_QueryState]:
+        self._in_flight.discard(request)
+        states = [self._states[query] for query in request.queries]
+        for state in states:
+            state.in_flight.remove(request.node_id)
+        return states
+
+    def on_response(self, request: TraversalRequest, neighbours: Mapping[DHTID, Neighbours]) -> None:
+        """The peer answered: it joins the beam of each query it was asked, its neighbours become candidates."""
+        for state in self._complete(request):
+            entry = (-(request.node_id ^ state.query), request.node_id)
+            if len(state.beam) < self.beam_size:
+                heapq.heappush(state.beam, entry)
+            elif entry > state.beam[0]:
+                heapq.heapreplace(state.beam, entry)
+            if not state.finished:
+                self._add_candidates(state, neighbours.get(state.query, ()))
+
+    def on_failure(self, request: TraversalRequest) -> None:
+        """The peer did not answer: it is skipped by every query from now on."""
+        self._failed.add(request.node_id)
+        self._complete(request)
+
+    def finish(self, query: DHTID) -> None:
+        self._states[query].finished = True
+
+    def is_finished(self, query: DHTID) -> bool:
+        return self._update_finished(self._states[query])
+
+    @property
+    def done(self) -> bool:
+        return all(self._update_finished(state) for state in self._states.values())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def nearest(self, query: DHTID) -> list[tuple[DHTID, PeerID]]:
+        """The peers that answered for `query`, nearest first (at most `beam_size`)."""
+        beam = sorted(self._states[query].beam, reverse=True)
+        return [(node_id, self._peers[node_id]) for _, node_id in beam]
+
+    def __repr__(self) -> str:
+        finished = sum(state.finished for state in self._states.values())
+        return f"Traversal({finished}/{len(self._states)} finished, {len(self._in_flight)} in flight)"

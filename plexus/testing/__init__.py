@@ -1,0 +1,5 @@
+"""Test helpers that ship with Plexus, so applications can test their own code without sockets."""
+
+from .memory_network import MemoryNetwork, MemoryTransport
+
+__all__ = ["MemoryNetwork", "MemoryTransport"]

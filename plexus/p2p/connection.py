@@ -354,8 +354,7 @@ class Connection(asyncio.BufferedProtocol):
         """Close at once: reset every stream, drop the socket. Safe to call more than once."""
         if self.phase is Phase.CLOSED:
             return
-        if self.remote_peer is not None and self.phase is Phase.MUXED:
-            logger.debug(f"{self}: closing ({reason})")
+        logger.debug(f"{self}: closing ({reason})")
         self.phase, self.close_reason = Phase.CLOSED, reason
         for stream in self.streams.values():
             stream._on_reset(f"connection closed: {reason}")

@@ -1,0 +1,32 @@
+"""Architecture rules that are cheap to check mechanically (DESIGN.md: layers, sans-I/O cores)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "plexus"
+FORBIDDEN_IN_CORES = {"asyncio", "socket", "time", "random", "os", "threading", "selectors"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_protocol_cores_do_no_io():
+    cores = sorted((PACKAGE / "p2p" / "protocols").glob("*.py"))
+    assert cores
+    for path in cores:
+        assert not imported_modules(path) & FORBIDDEN_IN_CORES, f"{path.name} imports I/O or clocks"
+
+
+def test_leaves_do_not_import_networking():
+    for leaf in ("compression", "utils"):
+        for path in (PACKAGE / leaf).glob("*.py"):
+            text = path.read_text()
+            for layer in ("p2p", "dht", "averaging", "optim", "moe"):
+                assert f"from ..{layer}" not in text and f"plexus.{layer}" not in text, f"{path} imports {layer}"

@@ -112,11 +112,18 @@ class DHTProtocol:
         return target.store(item.key, item.value, item.expiration_time, now, subkey=item.subkey)
 
     def lookup_local(self, key: DHTID, now: float) -> ValueWithExpiration | None:
-        """The freshest of what storage and cache hold for `key`."""
+        """What storage and cache hold for `key`, merged by the usual record rules."""
         stored, cached = self.storage.get(key, now), self.cache.get(key, now)
-        if stored is None or (cached is not None and cached.expiration_time > stored.expiration_time):
-            return cached
-        return stored
+        if stored is None or cached is None:
+            return cached if stored is None else stored
+        merged = DHTLocalStorage()
+        for found in (stored, cached):
+            if isinstance(found.value, DictionaryDHTValue):
+                entries = [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items(now)]
+                merged.store_dictionary(key, entries, now)
+            else:
+                merged.store(key, found.value, found.expiration_time, now)
+        return merged.get(key, now)
 
     def _find(self, key: DHTID, requester: DHTID | None, now: float) -> FindResult:
         nearest = tuple(self.routing_table.get_nearest_neighbors(key, self.routing_table.bucket_size, requester))

@@ -1,25 +1,29 @@
 """`plexus` command line: one entry point, one sub-command per job.
 
     plexus demo      start two local peers and ping one from the other
+    plexus dht       run a DHT peer that others can bootstrap from
 """
 
 import argparse
 import sys
 
 from ..utils.logging import use_plexus_log_handler
-from . import demo
+from . import demo, dht
+from .config import parse_with_config
 
 
-COMMANDS = {"demo": demo}
+COMMANDS = {"demo": demo, "dht": dht}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="plexus", description="Train one neural network together over the internet.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parsers = {}
     for name, module in COMMANDS.items():
-        module.add_arguments(subparsers.add_parser(name, help=module.HELP, description=module.__doc__,
-                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
-    args = parser.parse_args(argv)
+        parsers[name] = subparsers.add_parser(name, help=module.HELP, description=module.__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parsers[name])
+    args = parse_with_config(parser, argv, parsers)
     use_plexus_log_handler()
     try:
         return COMMANDS[args.command].run(args) or 0

@@ -1,0 +1,53 @@
+"""Options from a config file: every CLI takes `--config FILE` whose keys are its flag names.
+
+Precedence: command line, then the config file, then the defaults. JSON and TOML files work out
+of the box; YAML when PyYAML is installed. Unknown keys are an error that names them, so a typo in
+a config file does not silently do nothing.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="read options from a JSON, TOML or YAML file "
+                        "whose keys are the flag names (command-line flags win)")
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv=None, subparsers: dict | None = None) -> argparse.Namespace:
+    """Parse `argv`, taking defaults from `--config` (set on the chosen sub-command's parser)."""
+    first, _ = parser.parse_known_args(argv)
+    if getattr(first, "config", None):
+        target = (subparsers or {}).get(getattr(first, "command", None), parser)
+        options = load_config(first.config)
+        known = {action.dest for action in target._actions}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            target.error(f"unknown option(s) in {first.config}: {', '.join(unknown)}")
+        target.set_defaults(**options)
+    return parser.parse_args(argv)
+
+
+def load_config(path: str) -> dict:
+    file = Path(path)
+    if not file.is_file():
+        raise SystemExit(f"config file {path} does not exist")
+    text = file.read_text()
+    if file.suffix == ".json":
+        options = json.loads(text)
+    elif file.suffix == ".toml":
+        import tomllib
+
+        options = tomllib.loads(text)
+    elif file.suffix in (".yml", ".yaml"):
+        try:
+            import yaml
+        except ImportError:
+            raise SystemExit(f"reading {path} needs PyYAML (pip install pyyaml), or use a .json/.toml file") from None
+        options = yaml.safe_load(text) or {}
+    else:
+        raise SystemExit(f"config file {path} should end in .json, .toml, .yml or .yaml")
+    if not isinstance(options, dict):
+        raise SystemExit(f"config file {path} must hold a mapping of option names to values")
+    return {key.replace("-", "_"): value for key, value in options.items()}

@@ -1,0 +1,39 @@
+"""The DHT's transport over a libp2p host: one `/plexus/dht/1.0.0` unary RPC per request.
+
+The host authenticates the remote peer (Noise), so the handler learns the sender from the
+connection, never from the message. Remote handler errors arrive as DHTRPCError, like the
+in-memory network's, so the node treats both transports the same way.
+"""
+
+from ..p2p import rpc
+from ..p2p.host import Host
+from ..p2p.identity import PeerID
+from .messages import DHTRPCError
+from .transport import RequestHandler
+
+DHT_PROTOCOL = "/plexus/dht/1.0.0"
+MAX_DHT_MESSAGE_SIZE = 8 << 20
+
+
+class HostDHTTransport:
+    def __init__(self, host: Host):
+        self.host = host
+        self.local_peer_id: PeerID = host.peer_id
+
+    async def call(self, peer: PeerID, request_bytes: bytes, timeout: float) -> bytes:
+        try:
+            return await rpc.call(self.host, peer, DHT_PROTOCOL, request_bytes, timeout=timeout,
+                                  max_message_size=MAX_DHT_MESSAGE_SIZE)
+        except rpc.RPCError as error:
+            raise DHTRPCError(str(error)) from None
+        except rpc.RPCProtocolError as error:
+            raise ConnectionError(f"{peer} broke the DHT protocol: {error}") from None
+
+    def serve(self, handler: RequestHandler) -> None:
+        async def serve(request: bytes, context: rpc.RPCContext) -> bytes:
+            return await handler(context.remote_peer, request)
+
+        rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE)
+
+    async def close(self) -> None:
+        self.host.remove_stream_handler(DHT_PROTOCOL)

@@ -164,7 +164,6 @@ def test_malformed_requests_get_an_error_and_the_node_keeps_serving():
     run(main())
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_64_node_swarm_with_10_percent_dead_still_answers():
     async def main():
@@ -184,6 +183,22 @@ def test_64_node_swarm_with_10_percent_dead_still_answers():
             result = await rng.choice(alive).get(key, latest=True)
             found += result is not None and result.value == i
         assert found == len(keys)
+        await shutdown(nodes)
+
+    run(main())
+
+
+def test_silent_peers_time_out_and_are_skipped():
+    async def main():
+        network = MemoryNetwork()
+        nodes = await make_swarm(network, 20, wait_timeout=0.2)
+        assert await nodes[0].store("k", "v", get_dht_time() + 60)
+        silent = [node for node in nodes[2:] if node.storage.get(DHTID.generate("k"), get_dht_time())][:2]
+        for node in silent:
+            network.make_unresponsive(node.peer_id)
+        assert (await nodes[1].get("k", latest=True)).value == "v"
+        for node in silent:  # they failed once: banned, out of the table, not asked again for a while
+            assert nodes[1].blacklist.is_banned(node.peer_id, get_dht_time()) or node.peer_id not in nodes[1].routing_table
         await shutdown(nodes)
 
     run(main())

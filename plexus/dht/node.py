@@ -17,7 +17,7 @@ import random
 from typing import Any, Collection, Iterable, Sequence
 
 from ..p2p.identity import PeerID
-from ..utils.serializer import MSGPackSerializer, SerializationError
+from ..utils.serializer import MSGPackSerializer
 from ..utils.timed_storage import ValueWithExpiration
 from ..utils.timing import DHTExpiration, get_dht_time
 from .blacklist import Blacklist
@@ -39,8 +39,9 @@ from .messages import (
     decode_response,
 )
 from .protocol import DHTProtocol, HandOver, PingToEvict, make_record
+from .records import merge_found, store_items_of, unpack_found
 from .routing import DHTID, RoutingTable
-from .storage import DHTLocalStorage, DictionaryDHTValue
+from .storage import DHTLocalStorage
 from .transport import DHTTransport
 from .traverse import Traversal, TraversalRequest
 
@@ -493,7 +494,8 @@ class DHTNode:
             sufficient_expiration_time = float("inf")
         key_ids = {key: DHTID.generate(source=key) for key in keys}
         found = await self.get_many_by_id(list(key_ids.values()), sufficient_expiration_time, **kwargs)
-        return {key: self._deserialize(key_id, found[key_id]) for key, key_id in key_ids.items()}
+        now = get_dht_time()
+        return {key: unpack_found(key_id, found[key_id], self.record_validator, now) for key, key_id in key_ids.items()}
 
     async def get_many_by_id(
         self,
@@ -512,7 +514,7 @@ class DHTNode:
             stored, cached = self.storage.get(key_id, now), self.cache.get(key_id, now)
             for local in (stored, cached):
                 if local is not None:
-                    self._merge(merged, key_id, local, now)
+                    merge_found(merged, key_id, local, now)
             if cached is not None and not _is_refresh and self.cache_refresh_before_expiry > 0:
                 if self._refresh_queue.schedule(key_id, cached.expiration_time - self.cache_refresh_before_expiry):
                     self._refresh_wakeup.set()
@@ -550,23 +552,9 @@ class DHTNode:
                     raise  # we were cancelled ourselves
                 shared = None  # the other search was cancelled; we keep what we have
             if shared is not None:
-                self._merge(merged, key_id, shared, get_dht_time())
+                merge_found(merged, key_id, shared, get_dht_time())
         now = get_dht_time()
         return {key_id: merged.get(key_id, now) for key_id in key_ids}
-
-    @staticmethod
-    def _merge(target: DHTLocalStorage, key_id: DHTID, found: Any, now: float) -> None:
-        """Fold a found record (ValueWithExpiration or FindResult) into `target`, record semantics."""
-        if isinstance(found, FindResult):
-            if found.entries is not None:
-                target.store_dictionary(key_id, list(found.entries), now)
-            elif found.value is not None:
-                target.store(key_id, found.value, found.expiration_time, now)
-        elif isinstance(found.value, DictionaryDHTValue):
-            entries = [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items(now)]
-            target.store_dictionary(key_id, entries, now)
-        else:
-            target.store(key_id, found.value, found.expiration_time, now)
 
     async def _search(
         self, key_ids: list[DHTID], merged: DHTLocalStorage, sufficient: float, num_workers, beam_size
@@ -580,7 +568,7 @@ class DHTNode:
 
         def on_result(request: TraversalRequest, key_id: DHTID, result: FindResult) -> None:
             now = get_dht_time()
-            self._merge(merged, key_id, result, now)
+            merge_found(merged, key_id, result, now)
             answers[key_id].append((result.expiration_time, request.node_id, request.peer_id))
             best = merged.get(key_id, now)
             if best is not None and best.expiration_time >= sufficient:
@@ -593,50 +581,16 @@ class DHTNode:
             if best is None:
                 continue
             if self.cache_locally:
-                self._merge(self.cache, key_id, best, now)
+                merge_found(self.cache, key_id, best, now)
             if self.cache_nearest > 0:
                 lacking = sorted(
                     ((node_id, peer_id) for expiration, node_id, peer_id in answers[key_id]
                      if expiration < best.expiration_time),
                     key=lambda item: item[0] ^ key_id,
                 )
-                items = self._items_of(key_id, best, now, in_cache=True)
+                items = store_items_of(key_id, best, now, in_cache=True)
                 for _, peer_id in lacking[: self.cache_nearest]:
                     self._spawn(self._send_items(peer_id, items))
-
-    @staticmethod
-    def _items_of(key_id: DHTID, found: ValueWithExpiration, now: float, in_cache: bool) -> list[StoreItem]:
-        if isinstance(found.value, DictionaryDHTValue):
-            return [
-                StoreItem(key_id, subkey, item.value, item.expiration_time, in_cache)
-                for subkey, item in found.value.items(now)
-            ]
-        return [StoreItem(key_id, None, found.value, found.expiration_time, in_cache)]
-
-    def _deserialize(self, key_id: DHTID, found: ValueWithExpiration | None) -> ValueWithExpiration | None:
-        """Strip validator proofs and unpack; entries that do not unpack are dropped (and logged)."""
-        if found is None:
-            return None
-        now = get_dht_time()
-        try:
-            if not isinstance(found.value, DictionaryDHTValue):
-                return ValueWithExpiration(self._unpack(key_id, None, found.value, found.expiration_time), found.expiration_time)
-            entries = {}
-            for subkey, item in found.value.items(now):
-                try:
-                    value = self._unpack(key_id, subkey, item.value, item.expiration_time)
-                    entries[MSGPackSerializer.loads(subkey)] = ValueWithExpiration(value, item.expiration_time)
-                except (SerializationError, TypeError) as error:
-                    logger.debug(f"{self!r}: dropping an entry of {key_id!r} that does not unpack: {error}")
-            return ValueWithExpiration(entries, found.expiration_time) if entries else None
-        except (SerializationError, TypeError) as error:
-            logger.debug(f"{self!r}: dropping a value of {key_id!r} that does not unpack: {error}")
-            return None
-
-    def _unpack(self, key_id: DHTID, subkey: bytes | None, value: bytes, expiration_time: float) -> Any:
-        if self.record_validator is not None:
-            value = self.record_validator.strip_value(make_record(key_id, subkey, value, expiration_time))
-        return MSGPackSerializer.loads(value)
 
     # maintenance
 

@@ -31,11 +31,11 @@ from .messages import (
     StoreRequest,
     StoreResponse,
 )
+from .records import PLAIN_VALUE_SUBKEY, make_record, merge_found
 from .routing import DHTID, RoutingTable
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
-from .validation import DHTRecord, RecordValidatorBase
+from .validation import RecordValidatorBase
 
-PLAIN_VALUE_SUBKEY = b"\xc0"  # msgpack(None): the subkey of a record that is not a dictionary entry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +56,7 @@ class HandOver:
 
 
 Action = PingToEvict | HandOver
-
-
-def make_record(key: DHTID, subkey: bytes | None, value: bytes, expiration_time: float) -> DHTRecord:
-    return DHTRecord(key.to_bytes(), PLAIN_VALUE_SUBKEY if subkey is None else subkey, value, expiration_time)
+__all__ = ["Action", "DHTProtocol", "HandOver", "PLAIN_VALUE_SUBKEY", "PingToEvict", "make_record"]
 
 
 class DHTProtocol:
@@ -118,11 +115,7 @@ class DHTProtocol:
             return cached if stored is None else stored
         merged = DHTLocalStorage()
         for found in (stored, cached):
-            if isinstance(found.value, DictionaryDHTValue):
-                entries = [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items(now)]
-                merged.store_dictionary(key, entries, now)
-            else:
-                merged.store(key, found.value, found.expiration_time, now)
+            merge_found(merged, key, found, now)
         return merged.get(key, now)
 
     def _find(self, key: DHTID, requester: DHTID | None, now: float) -> FindResult:

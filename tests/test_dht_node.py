@@ -317,3 +317,40 @@ def test_keys_are_handed_over_to_new_nearer_peers():
         await shutdown(nodes + [newcomer])
 
     run(main())
+
+
+def test_clock_skew_is_warned_about(caplog):
+    async def main():
+        network = MemoryNetwork()
+        skewed = network.create_transport()
+        skewed.serve(lambda sender, data: asyncio.sleep(0, PingResponse(DHTID.generate(), get_dht_time() + 60).encode()))
+        with caplog.at_level(logging.WARNING, logger="plexus.dht.node"):
+            node = await DHTNode.create(rpc=network.create_transport(), initial_peers=[skewed.local_peer_id])
+        assert "Clock of" in caplog.text and "NTP" in caplog.text
+        assert "could not reach this node back" in caplog.text  # its ping response said available=False
+        await node.shutdown()
+
+    run(main())
+
+
+def test_cached_keys_that_are_read_get_refreshed_before_they_expire():
+    async def main():
+        network = MemoryNetwork()
+        nodes = await make_swarm(network, 10, cache_refresh_before_expiry=1.0)
+        key_id = DHTID.generate("hot")
+        assert await nodes[0].store("hot", "v1", get_dht_time() + 1.3)
+        reader = next(node for node in nodes[1:] if node.storage.get(key_id, get_dht_time()) is None)
+        assert (await reader.get("hot")).value == "v1"  # now in reader's cache
+        assert (await reader.get("hot")).value == "v1"  # read from the cache: scheduled for refresh
+        renewed = get_dht_time() + 30
+        assert await nodes[0].store("hot", "v2", renewed)
+        deadline = asyncio.get_running_loop().time() + 5
+        while asyncio.get_running_loop().time() < deadline:
+            cached = reader.cache.get(key_id, get_dht_time())
+            if cached is not None and cached.expiration_time == renewed:
+                break
+            await asyncio.sleep(0.05)  # polling with a deadline while the refresh runs in the background
+        assert reader.cache.get(key_id, get_dht_time()).expiration_time == renewed
+        await shutdown(nodes)
+
+    run(main())

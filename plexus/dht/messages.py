@@ -34,6 +34,9 @@ MAX_NEAREST_PER_KEY = 256
 MAX_DICTIONARY_ENTRIES = 65536
 MAX_PEER_ID_LENGTH = 64
 MAX_ERROR_LENGTH = 1024
+MAX_ADDRESSED_PEERS = 1024
+MAX_ADDRESSES_PER_PEER = 8
+MAX_ADDRESS_LENGTH = 1024
 
 
 class DHTProtocolError(RemoteProtocolError):
@@ -366,22 +369,38 @@ class FindResult:
 
 @dataclasses.dataclass(frozen=True)
 class FindResponse(Message):
-    """One result per requested key, in request order."""
+    """One result per requested key, in request order, and how to dial the peers they name.
+
+    `addresses` maps the peers named in `nearest` to their binary multiaddrs, so the requester
+    can contact peers it has never met (the DHT ids alone are not dialable)."""
 
     TAG: ClassVar[int] = 6
     node_id: DHTID | None
     results: tuple[FindResult, ...]
+    addresses: tuple[tuple[PeerID, tuple[bytes, ...]], ...] = ()
 
     def _to_wire(self) -> list:
-        return [_optional_node_id_bytes(self.node_id), [result._to_wire() for result in self.results]]
+        return [
+            _optional_node_id_bytes(self.node_id),
+            [result._to_wire() for result in self.results],
+            [[peer.to_bytes(), list(addrs)] for peer, addrs in self.addresses],
+        ]
 
     @classmethod
     def _from_wire(cls, fields: list) -> "FindResponse":
-        node_id, results = _fields(fields, "FindResponse", 2)
+        node_id, results, addresses = _fields(fields, "FindResponse", 3)
         results = _list(results, "FindResponse.results", MAX_KEYS_PER_REQUEST)
+        addressed = []
+        for i, entry in enumerate(_list(addresses, "FindResponse.addresses", MAX_ADDRESSED_PEERS)):
+            where = f"FindResponse.addresses[{i}]"
+            peer, addrs = _fields(entry, where, 2)
+            addrs = _list(addrs, where + ".addrs", MAX_ADDRESSES_PER_PEER)
+            addressed.append((_peer_id(peer, where + ".peer"),
+                              tuple(_bytes(addr, f"{where}.addrs[{j}]", MAX_ADDRESS_LENGTH) for j, addr in enumerate(addrs))))
         return cls(
             _node_id(node_id, "FindResponse.node_id", True),
             tuple(FindResult._from_wire(result, f"FindResponse.results[{i}]") for i, result in enumerate(results)),
+            tuple(addressed),
         )
 
 

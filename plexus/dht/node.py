@@ -115,7 +115,8 @@ class DHTNode:
         self.routing_table = RoutingTable(self.node_id, bucket_size, depth_modulo)
         self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)
         self.protocol = DHTProtocol(
-            self.node_id, self.routing_table, self.storage, self.cache, record_validator, num_replicas, client_mode
+            self.node_id, self.routing_table, self.storage, self.cache, record_validator, num_replicas, client_mode,
+            addresses_of=rpc.known_addresses,
         )
         self.blacklist = Blacklist(blacklist_time, backoff_rate)
         self._rpc_slots = asyncio.Semaphore(parallel_rpc or DEFAULT_PARALLEL_RPC)
@@ -345,6 +346,8 @@ class DHTNode:
                     if response is None or len(response.results) != len(request.queries):
                         traversal.on_failure(request)
                         continue
+                    if response.addresses:
+                        self.rpc.add_addresses(response.addresses)
                     neighbours = {}
                     check_bans = len(self.blacklist) > 0
                     for query, result in zip(request.queries, response.results):

@@ -8,11 +8,13 @@ in-memory network's, so the node treats both transports the same way.
 from ..p2p import rpc
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
+from ..p2p.multiaddr import Multiaddr, MultiaddrError
 from .messages import DHTRPCError
 from .transport import RequestHandler
 
 DHT_PROTOCOL = "/plexus/dht/1.0.0"
 MAX_DHT_MESSAGE_SIZE = 8 << 20
+MAX_SHARED_ADDRESSES = 8
 
 
 class HostDHTTransport:
@@ -34,6 +36,22 @@ class HostDHTTransport:
             return await handler(context.remote_peer, request)
 
         rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE)
+
+    def known_addresses(self, peer: PeerID) -> list[bytes]:
+        info = self.host.peer_info(peer)
+        return [addr.to_bytes() for addr in info.addrs[:MAX_SHARED_ADDRESSES]] if info else []
+
+    def add_addresses(self, addresses) -> None:
+        for peer, raw_addrs in addresses:
+            if peer == self.local_peer_id:
+                continue
+            addrs = []
+            for raw in raw_addrs:
+                try:
+                    addrs.append(Multiaddr.from_bytes(raw))
+                except MultiaddrError:
+                    continue  # one bad address from a peer does not spoil the others
+            self.host.add_addrs(peer, addrs)
 
     async def close(self) -> None:
         self.host.remove_stream_handler(DHT_PROTOCOL)

@@ -17,6 +17,7 @@ Records are validated before they are stored; the driver validates found records
 """
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 from ..p2p.identity import PeerID
 from .messages import (
@@ -71,9 +72,11 @@ class DHTProtocol:
         validator: RecordValidatorBase | None = None,
         num_replicas: int = 5,
         client_mode: bool = False,
+        addresses_of: Callable[[PeerID], Sequence[bytes]] | None = None,
     ):
         self.node_id, self.routing_table, self.storage, self.cache = node_id, routing_table, storage, cache
         self.validator, self.num_replicas, self.client_mode = validator, num_replicas, client_mode
+        self.addresses_of = addresses_of
 
     @property
     def own_id(self) -> DHTID | None:
@@ -95,7 +98,7 @@ class DHTProtocol:
             return StoreResponse(self.own_id, tuple(self.store_item(item, now) for item in request.items)), actions
         if isinstance(request, FindRequest):
             results = tuple(self._find(key, request.node_id, now) for key in request.keys)
-            return FindResponse(self.own_id, results), actions
+            return FindResponse(self.own_id, results, self._addresses(results)), actions
         raise TypeError(f"not a DHT request: {type(request).__name__}")
 
     def is_valid(self, key: DHTID, subkey: bytes | None, value: bytes, expiration_time: float) -> bool:
@@ -117,6 +120,13 @@ class DHTProtocol:
         for found in (stored, cached):
             merge_found(merged, key, found, now)
         return merged.get(key, now)
+
+    def _addresses(self, results: Sequence[FindResult]) -> tuple:
+        """Dialable addresses of every peer the results name (when the transport knows them)."""
+        if self.addresses_of is None:
+            return ()
+        peers = dict.fromkeys(peer for result in results for _, peer in result.nearest)
+        return tuple((peer, tuple(addrs)) for peer in peers if (addrs := self.addresses_of(peer)))
 
     def _find(self, key: DHTID, requester: DHTID | None, now: float) -> FindResult:
         nearest = tuple(self.routing_table.get_nearest_neighbors(key, self.routing_table.bucket_size, requester))

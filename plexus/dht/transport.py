@@ -6,7 +6,7 @@ it, so every DHT behaviour is testable without sockets. Messages cross it as byt
 carry no sender address.
 """
 
-from typing import Awaitable, Callable, Protocol
+from typing import Awaitable, Callable, Protocol, Sequence
 
 from ..p2p.identity import PeerID
 
@@ -23,6 +23,12 @@ class DHTTransport(Protocol):
     def serve(self, handler: RequestHandler) -> None:
         """Route incoming requests to `handler(sender, request_bytes) -> response_bytes`.
         Never called for a client-mode node."""
+
+    def known_addresses(self, peer: PeerID) -> Sequence[bytes]:
+        """Binary multiaddrs we can share so that others can dial `peer` (may be empty)."""
+
+    def add_addresses(self, addresses: Sequence[tuple[PeerID, Sequence[bytes]]]) -> None:
+        """Remember addresses that another peer shared, so that we can dial the peers it named."""
 
     async def close(self) -> None:
         """Stop serving and drop connections; later calls fail with ConnectionError."""

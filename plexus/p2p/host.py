@@ -31,6 +31,8 @@ logger = get_logger(__name__)
 
 PING_PROTOCOL = "/ipfs/ping/1.0.0"
 PING_SIZE = 32
+MAX_KNOWN_PEERS = 10_000
+MAX_ADDRS_PER_PEER = 16
 AGENT_VERSION = f"plexus/{__version__}"
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
@@ -165,11 +167,25 @@ class Host:
         return [addr.with_peer_id(self.peer_id) for addr in dict.fromkeys(addrs)]
 
     def add_addrs(self, peer_id: PeerID, addrs: Iterable[Multiaddr]) -> None:
-        info = self._peers.setdefault(peer_id, PeerInfo(peer_id))
+        """Remember where a peer can be dialed (newest first; bounded per peer and in peers)."""
+        info = self._peers.get(peer_id)
+        if info is None:
+            if len(self._peers) >= MAX_KNOWN_PEERS:
+                self._forget_a_disconnected_peer()
+            info = self._peers[peer_id] = PeerInfo(peer_id)
         for addr in addrs:
             addr = addr.without_peer_id()
-            if addr not in info.addrs:
-                info.addrs.append(addr)
+            if addr in info.addrs:
+                info.addrs.remove(addr)
+            info.addrs.insert(0, addr)
+        del info.addrs[MAX_ADDRS_PER_PEER:]
+
+    def _forget_a_disconnected_peer(self) -> None:
+        for peer_id in self._peers:  # oldest first
+            if peer_id not in self._connections:
+                del self._peers[peer_id]
+                self._identified.pop(peer_id, None)
+                return
 
     def peer_info(self, peer_id: PeerID) -> PeerInfo | None:
         return self._peers.get(peer_id)

@@ -82,6 +82,12 @@ class MemoryTransport:
             raise ConnectionError(f"{self.local_peer_id} was killed and cannot serve")
         self.network._handlers[self.local_peer_id] = handler
 
+    def known_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
+        return ()  # every peer is reachable by id alone on this network
+
+    def add_addresses(self, addresses) -> None:
+        pass
+
     async def close(self) -> None:
         self.closed = True
         self.network._handlers.pop(self.local_peer_id, None)

@@ -44,7 +44,9 @@ _OPTIMUM_SLACK = 1e-9  # relative slack on xi when choosing among optimal splits
 _NEGLIGIBLE = 1e-7  # fractions below this are solver tolerance at work and become 0
 
 
-def load_balance_peers(vector_size: int, bandwidths: Sequence[Optional[float]], min_size: int = 0) -> tuple[int, ...]:
+def load_balance_peers(
+    vector_size: int, bandwidths: Sequence[Optional[float]], min_size: int = 0
+) -> tuple[int, ...]:
     """Split `vector_size` elements among peers so that the slowest one finishes soonest.
 
     Args:
@@ -118,7 +120,8 @@ def optimal_fractions(speeds: np.ndarray) -> np.ndarray:
     a_ub[np.arange(len(reducers)), reducers] = (n - 2) / b[reducers]
     a_ub[:, n] = -1.0
     cost = np.append(np.zeros(n), 1.0)
-    first = linprog(cost, a_ub, -1.0 / b[reducers], a_eq, b_eq, bounds, method="highs", options=_HIGHS_OPTIONS)
+    b_ub = -1.0 / b[reducers]
+    first = linprog(cost, a_ub, b_ub, a_eq, b_eq, bounds, method="highs", options=_HIGHS_OPTIONS)
     if first.status != 0:
         return _proportional(speeds, f"stage 1: {first.message}")
     xi = first.x[n] * (1 + _OPTIMUM_SLACK)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from .. import __version__
+from ..version import __version__
 from ..utils.logging import get_logger
 from .connection import Connection, ConnectionClosedError
 from .identity import PeerID, PrivateKey

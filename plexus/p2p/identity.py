@@ -160,7 +160,7 @@ class PeerID:
         multihash = bytes(multihash)
         _check_multihash(multihash)
         self._bytes = multihash
-        self._b58 = base58.b58encode(multihash).decode()
+        self._b58 = None  # encoded on first use: peer ids are compared far more often than printed
 
     @classmethod
     def from_public_key(cls, public_key: PublicKey) -> "PeerID":
@@ -195,6 +195,8 @@ class PeerID:
         return self._bytes
 
     def to_base58(self) -> str:
+        if self._b58 is None:
+            self._b58 = base58.b58encode(self._bytes).decode()
         return self._b58
 
     def to_cid(self) -> str:
@@ -211,13 +213,13 @@ class PeerID:
         return PeerID.from_public_key(public_key) == self
 
     def short(self) -> str:
-        return "…" + self._b58[-6:]
+        return "…" + self.to_base58()[-6:]
 
     def __str__(self) -> str:
-        return self._b58
+        return self.to_base58()
 
     def __repr__(self) -> str:
-        return f"PeerID({self._b58})"
+        return f"PeerID({self.to_base58()})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, PeerID) and self._bytes == other._bytes

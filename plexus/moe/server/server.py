@@ -1,0 +1,309 @@
+"""The expert server: module backends + the batching runtime + the RPC service on one Host.
+
+`Server(host, backends)` serves existing backends; `Server.create(...)` builds them from a
+registered expert class. Start-up restores checkpoints, starts the compute thread and registers
+the `/plexus/moe/...` handlers on the host (which runs on the process's background loop);
+a periodic task on that loop saves checkpoints every `update_period` through the compute thread,
+so a checkpoint never sees a half-applied optimizer step. Shutdown saves once more, fails the
+requests still waiting, and leaves no thread or task behind.
+
+Announcing the experts in the DHT is `_declare_experts`, the one method that waits for the DHT
+facade: a Server given a DHT refuses to start until it is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import random
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ...compression import CompressionType
+from ...p2p.host import Host, PeerInfo
+from ...utils.background_loop import get_background_loop
+from ...utils.logging import get_logger
+from ..expert_uid import is_valid_uid, sample_expert_uids
+from ..schema import BatchTensorDescriptor
+from .checkpoints import DEFAULT_KEEP_LAST, load_experts, saved_expert_uids, store_experts
+from .handler import DEFAULT_REQUEST_TIMEOUT, ConnectionHandler
+from .layers import ClippingWrapper, name_to_block, name_to_input, schedule_name_to_scheduler
+from .module_backend import DUMMY_BATCH_SIZE, ModuleBackend
+from .runtime import Runtime
+
+logger = get_logger(__name__)
+
+START_TIMEOUT = 30.0
+
+
+class Server:
+    """Serves `module_backends` (uid -> ModuleBackend) to RemoteExperts.
+
+    Args:
+        host_or_dht: a started `plexus.p2p.Host` on the background loop (experts are not announced),
+            or a DHT (announcing is not written yet: starting raises NotImplementedError).
+        module_backends: the experts, by uid.
+        update_period: seconds between checkpoints (and, with a DHT, re-announcements).
+        expiration: lifetime of an announcement in the DHT (default max(2 * update_period, 3)).
+        start: start serving now.
+        checkpoint_dir: restore experts from here at start-up and save them every update_period.
+        request_timeout: bound on one RPC, reading and queueing included.
+        keep_checkpoints: timestamped checkpoints kept per expert.
+    """
+
+    def __init__(self, host_or_dht, module_backends: dict[str, ModuleBackend], *, update_period: float = 30.0,
+                 expiration: float | None = None, start: bool = False, checkpoint_dir: str | Path | None = None,
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keep_checkpoints: int = DEFAULT_KEEP_LAST):
+        if isinstance(host_or_dht, Host):
+            self.host, self.dht = host_or_dht, None
+        else:
+            self.dht = host_or_dht
+            self.host = getattr(host_or_dht, "host", None)
+        self.module_backends = dict(module_backends)
+        for uid, backend in self.module_backends.items():
+            if backend.name != uid:
+                raise ValueError(f"module_backends maps {uid!r} to a backend named {backend.name!r}")
+        self.update_period = update_period
+        self.expiration = expiration if expiration is not None else max(2 * update_period, 3)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.keep_checkpoints = keep_checkpoints
+        self.runtime = Runtime.from_backends(self.module_backends)
+        self.handler = ConnectionHandler(self.host, self.module_backends, request_timeout=request_timeout) \
+            if self.host is not None else None
+        self.ready = threading.Event()
+        self._stopped = threading.Event()
+        self._periodic: asyncio.Task | None = None
+        self._owns_host = False
+        if start:
+            self.run_in_background(await_ready=True)
+
+    # --- life cycle ---------------------------------------------------------------------------------
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = START_TIMEOUT) -> None:
+        """Start serving (the work runs on the compute thread and the background loop; this returns)."""
+        self.start(timeout)
+
+    def start(self, timeout: float | None = START_TIMEOUT) -> None:
+        if self.ready.is_set():
+            return
+        if self.dht is not None:
+            self._declare_experts()  # fails before anything starts until the DHT part exists
+        if self.checkpoint_dir is not None:
+            load_experts(self.module_backends, self.checkpoint_dir)
+        self.runtime.start()
+        try:
+            get_background_loop().run(self._start_on_loop(), timeout)
+        except BaseException:
+            self.runtime.shutdown()
+            raise
+        self._stopped.clear()
+        self.ready.set()
+        logger.info(f"serving {len(self.module_backends)} experts as {self.host.peer_id}")
+
+    async def _start_on_loop(self) -> None:
+        self.handler.register()
+        if self.checkpoint_dir is not None or self.dht is not None:
+            self._periodic = asyncio.get_running_loop().create_task(self._every_update_period())
+
+    def run(self) -> None:
+        """Start and serve until `shutdown()` is called from another thread (or a signal handler)."""
+        self.start()
+        self._stopped.wait()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the server has shut down; True if it has."""
+        return self._stopped.wait(timeout)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop serving: unregister the handlers, save checkpoints, stop the compute thread."""
+        if not self.ready.is_set():
+            return
+        self.ready.clear()
+        get_background_loop().run(self._stop_on_loop(), timeout)
+        if self.checkpoint_dir is not None:
+            try:
+                self.runtime.submit_job(self._save_checkpoints).result(timeout)
+            except Exception as error:
+                logger.warning(f"the final checkpoint failed: {error!r}")
+        self.runtime.shutdown(timeout)
+        if self._owns_host:
+            get_background_loop().run(self.host.shutdown(), timeout)
+        self._stopped.set()
+
+    async def _stop_on_loop(self) -> None:
+        self.handler.unregister()
+        if self._periodic is not None:
+            self._periodic.cancel()
+            await asyncio.gather(self._periodic, return_exceptions=True)
+            self._periodic = None
+
+    def __enter__(self) -> "Server":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # --- periodic work ------------------------------------------------------------------------------
+
+    async def _every_update_period(self) -> None:
+        while True:
+            await asyncio.sleep(self.update_period)  # a period, not synchronisation
+            if self.dht is not None:
+                self._declare_experts()
+            if self.checkpoint_dir is not None:
+                try:
+                    await asyncio.wrap_future(self.runtime.submit_job(self._save_checkpoints))
+                except Exception as error:
+                    logger.warning(f"saving checkpoints to {self.checkpoint_dir} failed: {error!r}; "
+                                   f"will retry in {self.update_period} s")
+
+    def _save_checkpoints(self) -> None:
+        store_experts(self.module_backends, self.checkpoint_dir, self.keep_checkpoints)
+
+    def _declare_experts(self) -> None:
+        """Announce every uid in the DHT for `self.expiration` seconds.
+
+        TODO(DHT facade): `declare_experts(self.dht, list(self.module_backends), self.host.peer_id,
+        expiration_time=get_dht_time() + self.expiration)`, with the entries of
+        `expert_uid.prefix_entries(uid)`; the first call happens in `start()`, later ones every
+        update_period from `_every_update_period`.
+        """
+        raise NotImplementedError("announcing experts in the DHT is not written yet: pass a plexus.p2p.Host "
+                                  "instead of a DHT to serve experts without announcing them")
+
+    # --- building from a registered expert class ------------------------------------------------------
+
+    @classmethod
+    def create(cls, num_experts: int | None = None, expert_uids: list[str] | None = None,
+               expert_pattern: str | None = None, expert_cls: str = "ffn", hidden_dim: int = 1024,
+               optim_cls=torch.optim.Adam, scheduler: str = "none", num_warmup_steps: int | None = None,
+               num_training_steps: int | None = None, clip_grad_norm: float | None = None,
+               num_handlers: int | None = None, min_batch_size: int = 1, max_batch_size: int = 4096,
+               device: str | torch.device | None = None, initial_peers=(), checkpoint_dir: str | Path | None = None,
+               compression: CompressionType = CompressionType.NONE, stats_report_interval: float | None = None,
+               custom_module_path: str | None = None, update_period: float = 30.0,
+               expiration: float | None = None, *, start: bool, host: Host | None = None, dht=None,
+               rng: random.Random | None = None, **host_options) -> "Server":
+        """Build a server of `expert_cls` experts (hivemind's arguments; `host_options` go to a Host
+        this server creates and owns when neither `host` nor `dht` is given).
+
+        Experts: `expert_uids`, or `num_experts` taken from the checkpoints in `checkpoint_dir`
+        first and then sampled from `expert_pattern` (e.g. `ffn.[0:4].[0:16]`; default `expert.0`,
+        `expert.1`, ...). Optimizer: `optim_cls(params)` (None: experts do not learn), clipped to
+        `clip_grad_norm`, with `scheduler` "linear" (needs num_warmup_steps and num_training_steps)
+        or "none". `num_handlers` has no effect: one event loop serves every connection.
+        """
+        if num_handlers is not None or stats_report_interval is not None:
+            warnings.warn("num_handlers and stats_report_interval have no effect in Plexus (one event loop serves "
+                          "every connection; runtime statistics are not reported yet)", stacklevel=2)
+        if custom_module_path is not None:
+            _import_module_file(custom_module_path)
+        if expert_cls not in name_to_block:
+            raise ValueError(f"unknown expert class {expert_cls!r}; registered: {sorted(name_to_block)} "
+                             f"(add one with @register_expert_class or custom_module_path)")
+        uids = _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng or random.Random())
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+        sample = name_to_input[expert_cls](DUMMY_BATCH_SIZE, hidden_dim)
+        sample = sample if isinstance(sample, (tuple, list)) else (sample,)
+        args_schema = tuple(BatchTensorDescriptor.from_tensor(t, compression) for t in sample)
+        backends = {}
+        for uid in uids:
+            module = name_to_block[expert_cls](hidden_dim).to(device)
+            params = [p for p in module.parameters() if p.requires_grad]
+            optimizer = optim_cls(params) if optim_cls is not None and params else None
+            if optimizer is not None and clip_grad_norm is not None:
+                optimizer = ClippingWrapper(optimizer, clip_grad_norm)
+            schedule = _make_scheduler(scheduler, optimizer, num_warmup_steps, num_training_steps)
+            backends[uid] = ModuleBackend(uid, module, optimizer=optimizer, scheduler=schedule,
+                                          args_schema=args_schema, min_batch_size=min_batch_size,
+                                          max_batch_size=max_batch_size)
+
+        owns_host = False
+        if dht is None and host is None:
+            if initial_peers:
+                raise NotImplementedError("joining a DHT through initial_peers is not written yet for expert "
+                                          "servers; leave initial_peers empty to serve without announcing")
+            host = get_background_loop().run(Host(**host_options).start(), START_TIMEOUT)
+            owns_host = True
+        elif host_options:
+            raise TypeError(f"host options {sorted(host_options)} apply only to a host the server creates itself")
+        server = cls(host if dht is None else dht, backends, update_period=update_period, expiration=expiration,
+                     checkpoint_dir=checkpoint_dir)
+        server._owns_host = owns_host
+        if start:
+            try:
+                server.start()
+            except BaseException:
+                if owns_host:
+                    get_background_loop().run(host.shutdown(), START_TIMEOUT)
+                raise
+        return server
+
+
+def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: random.Random) -> list[str]:
+    if expert_uids is not None:
+        if num_experts is not None and num_experts != len(expert_uids):
+            raise ValueError(f"num_experts={num_experts} disagrees with the {len(expert_uids)} expert_uids given")
+        uids = list(expert_uids)
+    else:
+        uids = saved_expert_uids(checkpoint_dir) if checkpoint_dir is not None else []
+        if num_experts is None and not uids:
+            raise ValueError("say which experts to serve: num_experts (with expert_pattern), or expert_uids")
+        missing = (num_experts or 0) - len(uids)
+        if missing > 0 and expert_pattern is not None:
+            uids += sample_expert_uids(expert_pattern, missing, rng=rng, exclude=set(uids))
+        elif missing > 0:
+            taken = set(uids)
+            uids += [uid for uid in (f"expert.{i}" for i in range(len(uids) + missing + len(taken)))
+                     if uid not in taken][:missing]
+    bad = [uid for uid in uids if not is_valid_uid(uid)]
+    if bad:
+        raise ValueError(f"invalid expert uids {bad[:5]}: a uid is a name and integer coordinates, e.g. 'ffn.0.3'")
+    if len(set(uids)) != len(uids):
+        raise ValueError("expert uids repeat")
+    return uids
+
+
+def _make_scheduler(name: str, optimizer, num_warmup_steps, num_training_steps):
+    if name not in schedule_name_to_scheduler:
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {sorted(schedule_name_to_scheduler)}")
+    make = schedule_name_to_scheduler[name]
+    if make is None or optimizer is None:
+        return None
+    if num_warmup_steps is None or num_training_steps is None:
+        raise ValueError(f"the {name} schedule needs num_warmup_steps and num_training_steps")
+    return make(optimizer, num_warmup_steps, num_training_steps)
+
+
+def _import_module_file(path: str) -> None:
+    """Run a user's Python file (its @register_expert_class decorators register new experts)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"plexus_custom_experts_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import custom module {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+@contextlib.contextmanager
+def background_server(*args, shutdown_timeout: float = 5, **kwargs) -> Iterator[PeerInfo]:
+    """`Server.create(*args, **kwargs)` serving in this process for the duration of the block.
+
+    Yields the server's PeerInfo (peer id and addresses). Unlike hivemind, no child process is
+    forked: the server runs on the background loop and its compute thread. Listens on 127.0.0.1
+    unless `host_maddrs` says otherwise.
+    """
+    if "host" not in kwargs and "dht" not in kwargs:
+        kwargs.setdefault("host_maddrs", ("/ip4/127.0.0.1/tcp/0",))
+    server = Server.create(*args, start=True, **kwargs)
+    try:
+        yield PeerInfo(server.host.peer_id, server.host.get_visible_maddrs())
+    finally:
+        server.shutdown(shutdown_timeout)

@@ -1,0 +1,80 @@
+"""Wire messages of the all-reduce part stream (`{prefix}/allreduce/1.0.0`).
+
+One bidirectional RPC stream runs from each sender to each reducer it sends a span to. Every part
+travels as two RPC frames: a msgpack `PartHeader`, then the part's raw buffer (the `buffer` of a
+`SerializedTensor`, sent straight from the tensor's memory when uncompressed). Keeping the buffer
+out of the msgpack saves two full copies of the data on each side compared with nesting
+`SerializedTensor.to_bytes()` inside a message. The reducer answers each part with an
+`AnswerHeader`, followed by a buffer frame unless the answer is KEEP.
+
+Only the first `PartHeader` of a stream carries `group_id` and `weight` (they hold for the whole
+stream); later headers must leave them out. Buffers are validated against (numel, dtype,
+compression) by `SerializedTensor` before any tensor memory is touched.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..compression.wire import DTYPES, CompressionType
+from ..p2p.messages import Message
+
+MAX_GROUP_ID_BYTES = 64
+
+
+class AnswerKind(enum.IntEnum):
+    """What an answer's buffer holds; the integer values are part of the wire."""
+
+    AVERAGE = 0  # the group's average of the part (sent when the part came uncompressed)
+    DELTA = 1  # average minus the sender's part as the reducer decoded it (after lossy compression)
+    KEEP = 2  # no average exists (total weight 0): keep your local values; no buffer follows
+
+
+def _check_tensor_fields(index: int, numel: int, dtype: str, compression: int) -> None:
+    if index < 0 or numel <= 0:
+        raise ValueError(f"part index must be >= 0 and numel > 0, got index={index}, numel={numel}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    if compression not in CompressionType._value2member_map_:
+        raise ValueError(f"unknown compression type {compression!r}")
+
+
+@dataclass(frozen=True)
+class PartHeader(Message):
+    """Announces the next buffer frame: part `index` of the reducer's span, `numel` elements of
+    `dtype`, encoded with `compression` (a CompressionType value)."""
+
+    index: int
+    numel: int
+    dtype: str
+    compression: int
+    group_id: Optional[bytes] = None
+    weight: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _check_tensor_fields(self.index, self.numel, self.dtype, self.compression)
+        if (self.group_id is None) != (self.weight is None):
+            raise ValueError("group_id and weight come together, on the first part of a stream only")
+        if self.group_id is not None and not 0 < len(self.group_id) <= MAX_GROUP_ID_BYTES:
+            raise ValueError(f"group_id must be 1 to {MAX_GROUP_ID_BYTES} bytes, got {len(self.group_id)}")
+        if self.weight is not None and (not math.isfinite(self.weight) or self.weight < 0):
+            raise ValueError(f"weight must be finite and >= 0, got {self.weight}")
+
+
+@dataclass(frozen=True)
+class AnswerHeader(Message):
+    """The reducer's answer to part `index`; a buffer frame follows unless kind is KEEP."""
+
+    index: int
+    kind: int
+    numel: int
+    dtype: str
+    compression: int
+
+    def __post_init__(self) -> None:
+        _check_tensor_fields(self.index, self.numel, self.dtype, self.compression)
+        if self.kind not in AnswerKind._value2member_map_:
+            raise ValueError(f"unknown answer kind {self.kind!r}")

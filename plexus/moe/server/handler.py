@@ -14,6 +14,7 @@ Wire format and protocol ids: `plexus.moe.messages`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import torch
@@ -55,6 +56,10 @@ class ExpertRequestError(ValueError):
     """The caller's request does not fit the expert (the caller's fault; the text says what to fix)."""
 
 
+class ExpertTimeoutError(TimeoutError):
+    """A request did not finish within the server's request_timeout (the server is busy or slow)."""
+
+
 class ConnectionHandler:
     """Serves `module_backends` on `host` under the `/plexus/moe/...` protocol ids."""
 
@@ -79,26 +84,36 @@ class ConnectionHandler:
         for protocol in PROTOCOLS:
             self.host.remove_stream_handler(protocol)
 
+    @contextlib.asynccontextmanager
+    async def _deadline(self):
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                yield
+        except TimeoutError:
+            raise ExpertTimeoutError(f"the request did not finish within the server's request_timeout of "
+                                     f"{self.request_timeout} s (the server is busy or the expert is slow); "
+                                     f"retry later or use another expert") from None
+
     # --- the five methods ---------------------------------------------------------------------------
 
     async def rpc_info(self, request: InfoRequest, context: rpc.RPCContext) -> ExpertSchema:
         return self._backend(request.uid).schema
 
     async def rpc_forward(self, request: ExpertRequest, context: rpc.RPCContext) -> ExpertResponse:
-        async with asyncio.timeout(self.request_timeout):
+        async with self._deadline():
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors)
             return self._unary_response(await self._run(backend, inputs, backward=False))
 
     async def rpc_backward(self, request: ExpertRequest, context: rpc.RPCContext) -> ExpertResponse:
-        async with asyncio.timeout(self.request_timeout):
+        async with self._deadline():
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors, backward=True)
             return self._unary_response(await self._run(backend, inputs, backward=True))
 
     async def rpc_forward_stream(self, requests: AsyncIterator[ExpertRequest],
                                  context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
-        async with asyncio.timeout(self.request_timeout):
+        async with self._deadline():
             backend, inputs = await self._collect(requests, backward=False)
             outputs = await self._run(backend, inputs, backward=False)
         for chunks in stream_messages(outputs):
@@ -106,7 +121,7 @@ class ConnectionHandler:
 
     async def rpc_backward_stream(self, requests: AsyncIterator[ExpertRequest],
                                   context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
-        async with asyncio.timeout(self.request_timeout):
+        async with self._deadline():
             backend, inputs = await self._collect(requests, backward=True)
             grads = await self._run(backend, inputs, backward=True)
         for chunks in stream_messages(grads):

@@ -189,7 +189,8 @@ class Server:
                compression: CompressionType = CompressionType.NONE, stats_report_interval: float | None = None,
                custom_module_path: str | None = None, update_period: float = 30.0,
                expiration: float | None = None, *, start: bool, host: Host | None = None, dht=None,
-               rng: random.Random | None = None, **host_options) -> "Server":
+               rng: random.Random | None = None,
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, **host_options) -> "Server":
         """Build a server of `expert_cls` experts (hivemind's arguments; `host_options` go to a Host
         this server creates and owns when neither `host` nor `dht` is given).
 
@@ -235,7 +236,7 @@ class Server:
         elif host_options:
             raise TypeError(f"host options {sorted(host_options)} apply only to a host the server creates itself")
         server = cls(host if dht is None else dht, backends, update_period=update_period, expiration=expiration,
-                     checkpoint_dir=checkpoint_dir)
+                     checkpoint_dir=checkpoint_dir, request_timeout=request_timeout)
         server._owns_host = owns_host
         if start:
             try:

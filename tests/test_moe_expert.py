@@ -167,3 +167,16 @@ def test_unknown_expert_fails_on_first_use_with_the_servers_words(client):
             expert(torch.randn(1, 4))
     finally:
         server.shutdown()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_server_on_cuda_matches_the_local_module(client):
+    server = Server.create(expert_uids=["ffn.0"], hidden_dim=16, device="cuda",
+                           optim_cls=lambda params: torch.optim.SGD(params, lr=0.1), start=True, host_maddrs=LOCAL)
+    try:
+        backend = server.module_backends["ffn.0"]
+        assert backend.device.type == "cuda"
+        local = copy.deepcopy(backend.module).cpu()
+        check_same_as_local(remote(client, server, "ffn.0"), local, [torch.randn(5, 16)], atol=1e-4)
+    finally:
+        server.shutdown()

@@ -184,6 +184,20 @@ def test_float16_compression_within_its_error_bound():
     run(main(), 25)
 
 
+@pytest.mark.timeout(30)
+def test_zero_total_weight_keeps_local_values():
+    async def main():
+        async with Swarm(3) as swarm:
+            tensor_sets = [make_tensors(seed) for seed in range(3)]
+            originals = [[t.clone() for t in ts] for ts in tensor_sets]
+            reports = await swarm.run(swarm.runners(tensor_sets, [1, 1, 1], weights=[0.0] * 3, part_size_bytes=512))
+            assert all(report.complete for report in reports)
+            for ts, os in zip(tensor_sets, originals):
+                assert all(torch.equal(t, o) for t, o in zip(ts, os))
+
+    run(main(), 25)
+
+
 # --- faults --------------------------------------------------------------------------------------
 
 

@@ -57,30 +57,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Optional, Sequence
 
 import torch
 
-from ..compression import (
-    AdaptiveCompressionBase,
-    CompressionBase,
-    CompressionError,
-    CompressionInfo,
-    CompressionType,
-    NoCompression,
-    SerializedTensor,
-    deserialize_torch_tensor,
-)
+from ..compression import CompressionBase, CompressionError, CompressionInfo, CompressionType, NoCompression
 from ..compression.base import tensor_bytes_view
-from ..compression.wire import DTYPES, dtype_name
+from ..compression.wire import dtype_name
 from ..p2p import rpc
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
 from ..p2p.messages import MessageError
 from ..utils.logging import get_logger
-from .messages import AnswerHeader, AnswerKind, PartHeader
+from .messages import AnswerHeader, AnswerKind, PartHeader, decode_tensor, encode_tensor
 from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_from_fractions
 
 logger = get_logger(__name__)
@@ -217,36 +208,6 @@ class ReducerCore:
                 f"excluded {sorted(self.excluded)}>")
 
 
-# --- encoding parts -----------------------------------------------------------------------------
-
-
-def _base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
-    while isinstance(compression, AdaptiveCompressionBase):
-        compression = compression.choose_compression(info)
-    return compression
-
-
-def encode_tensor(tensor: torch.Tensor, info: CompressionInfo, compression: CompressionBase):
-    """(dtype name, compression type, buffer) for a 1-D tensor; uncompressed data is a zero-copy
-    view of the tensor's memory (valid until the tensor is written to)."""
-    method = _base_method(compression, info)
-    if isinstance(method, NoCompression):
-        return dtype_name(tensor.dtype), int(CompressionType.NONE), tensor_bytes_view(tensor.detach().cpu())
-    serialized = method.compress(tensor, info)
-    return serialized.dtype, int(serialized.compression), serialized.buffer
-
-
-def decode_tensor(numel: int, dtype: str, compression: int, buffer: bytes) -> torch.Tensor:
-    """A 1-D CPU tensor from a validated buffer; CompressionError if it does not fit the header.
-    Uncompressed buffers become a read-only view (no copy): callers only read it."""
-    serialized = SerializedTensor(buffer, (numel,), dtype, compression)  # checks the exact length
-    if compression == CompressionType.NONE:
-        with warnings.catch_warnings():  # torch warns that bytes are read-only; we never write
-            warnings.simplefilter("ignore")
-            return torch.frombuffer(buffer, dtype=DTYPES[dtype])
-    return deserialize_torch_tensor(serialized).reshape(-1)
-
-
 # --- the driver ---------------------------------------------------------------------------------
 
 
@@ -262,7 +223,7 @@ class _Channel:
 
     def __init__(self, stream):
         self.stream = stream
-        self.answers: list = []
+        self.answers: deque = deque()
         self.wake = asyncio.Event()
         self.closed = False
         self.finished = asyncio.Event()
@@ -606,14 +567,18 @@ class AllReduceRunner:
                     await channel.wake.wait()
                 if not channel.answers:
                     return
-                item = channel.answers.pop(0)
+                item = channel.answers.popleft()
                 self._notify()  # a slot in this sender's answer backlog is free
                 if isinstance(item, Exception):
                     raise item
                 header, buffer = item
-                yield header
-                if buffer is not None:
-                    yield buffer
+                try:
+                    yield header
+                    if buffer is not None:
+                        yield buffer
+                except GeneratorExit:  # the RPC layer dropped us: writing to the sender failed
+                    self._exclude(sender, "its stream broke while answers were written to it")
+                    raise
         finally:
             channel.finished.set()
 

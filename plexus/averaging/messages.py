@@ -9,17 +9,30 @@ out of the msgpack saves two full copies of the data on each side compared with 
 
 Only the first `PartHeader` of a stream carries `group_id` and `weight` (they hold for the whole
 stream); later headers must leave them out. Buffers are validated against (numel, dtype,
-compression) by `SerializedTensor` before any tensor memory is touched.
+compression) by `SerializedTensor` before any tensor memory is touched; `encode_tensor` and
+`decode_tensor` turn a part into (dtype, compression, buffer) and back.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from ..compression.wire import DTYPES, CompressionType
+import torch
+
+from ..compression import (
+    AdaptiveCompressionBase,
+    CompressionBase,
+    CompressionInfo,
+    NoCompression,
+    SerializedTensor,
+    deserialize_torch_tensor,
+)
+from ..compression.base import tensor_bytes_view
+from ..compression.wire import DTYPES, CompressionType, dtype_name
 from ..p2p.messages import Message
 
 MAX_GROUP_ID_BYTES = 64
@@ -78,3 +91,33 @@ class AnswerHeader(Message):
         _check_tensor_fields(self.index, self.numel, self.dtype, self.compression)
         if self.kind not in AnswerKind._value2member_map_:
             raise ValueError(f"unknown answer kind {self.kind!r}")
+
+
+# --- buffers ---------------------------------------------------------------------------------------
+
+
+def _base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
+    while isinstance(compression, AdaptiveCompressionBase):
+        compression = compression.choose_compression(info)
+    return compression
+
+
+def encode_tensor(tensor: torch.Tensor, info: CompressionInfo, compression: CompressionBase):
+    """(dtype name, compression type, buffer) for a 1-D tensor; uncompressed data is a zero-copy
+    view of the tensor's memory (valid until the tensor is written to)."""
+    method = _base_method(compression, info)
+    if isinstance(method, NoCompression):
+        return dtype_name(tensor.dtype), int(CompressionType.NONE), tensor_bytes_view(tensor.detach().cpu())
+    serialized = method.compress(tensor, info)
+    return serialized.dtype, int(serialized.compression), serialized.buffer
+
+
+def decode_tensor(numel: int, dtype: str, compression: int, buffer: bytes) -> torch.Tensor:
+    """A 1-D CPU tensor from a validated buffer; CompressionError if it does not fit the header.
+    Uncompressed buffers become a read-only view (no copy): callers only read it."""
+    serialized = SerializedTensor(buffer, (numel,), dtype, compression)  # checks the exact length
+    if compression == CompressionType.NONE:
+        with warnings.catch_warnings():  # torch warns that bytes are read-only; we never write
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(buffer, dtype=DTYPES[dtype])
+    return deserialize_torch_tensor(serialized).reshape(-1)

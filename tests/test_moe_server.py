@@ -11,6 +11,7 @@ import torch
 
 from plexus.compression import serialize_torch_tensor
 from plexus.moe import BatchTensorDescriptor, ExpertInfo, ModuleBackend, RemoteExpert, Server, background_server
+from plexus.moe.client import expert_forward
 from plexus.moe.messages import (
     BACKWARD_PROTOCOL,
     FORWARD_PROTOCOL,
@@ -345,3 +346,55 @@ def test_slow_expert_times_out_with_a_clear_error(client):
             expert(torch.randn(1, 4))
     finally:
         server.shutdown()
+
+
+class Gated(torch.nn.Module):
+    """Holds the compute thread inside forward until the test opens the gate; records batch sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.gate, self.batch_sizes = threading.Event(), threading.Event(), []
+
+    def forward(self, x):
+        self.batch_sizes.append(x.shape[0])
+        self.entered.set()
+        assert self.gate.wait(20), "the test never opened the gate"
+        return x + 1
+
+
+def test_busy_compute_thread_leaves_the_loop_free_and_waiting_requests_share_a_batch(client):
+    loop = get_background_loop()
+    host = loop.run(Host(host_maddrs=LOCAL).start(), 10)
+    module = Gated()
+    module.gate.set()  # let the schema inference through
+    backend = ModuleBackend("gated.0", module, args_schema=(BatchTensorDescriptor((2,)),))
+    module.gate.clear()
+    module.batch_sizes.clear()
+    try:
+        with Server(host, {"gated.0": backend}):
+            client.add_addrs(host.peer_id, host.get_listen_maddrs())
+            expert = RemoteExpert(ExpertInfo("gated.0", host.peer_id), client)
+            expert.schema  # noqa: B018  (fetch it now, outside the measured part)
+
+            async def forward(value):
+                return await expert_forward(client, expert.expert_info, expert.schema, [torch.full((2, 2), value)])
+
+            first = loop.submit(forward(0.0))
+            assert module.entered.wait(10)  # the compute thread is now stuck in forward
+            waiting = [loop.submit(forward(float(v))) for v in range(1, 6)]
+            # the loop still answers: a schema request completes while compute is blocked
+            schema = loop.run(rpc.call(client, host.peer_id, INFO_PROTOCOL, InfoRequest("gated.0"), ExpertSchema,
+                                       timeout=10), 15)
+            assert schema.uid == "gated.0" and not first.done()
+            deadline = time.monotonic() + 10
+            while backend.forward_pool.num_pending < 5:  # all five reached the pool
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            module.gate.set()
+            assert first.result(10)[0][:, 0].tolist() == [1, 1]
+            for value, future in zip(range(1, 6), waiting):
+                assert future.result(10)[0][:, 0].tolist() == [value + 1] * 2
+            assert module.batch_sizes == [2, 10]  # the five waiting requests ran as one batch
+    finally:
+        module.gate.set()
+        loop.run(host.shutdown(), 10)

@@ -1,0 +1,501 @@
+"""Decentralized matchmaking: peers that look for a group at the same time find one another via the DHT.
+
+Theory of operation (the decisions live in `matchmaking_state.py`; this is the asyncio driver).
+
+`look_for_group(gather=..., deadline=...)` runs one round:
+1. Declare: store `True` under `{prefix}.0b{bits}`, subkey = our peer id, expiring at our declared
+   time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock).
+   Client-mode peers never declare and never lead.
+2. Read the bucket with `get(latest=True)` right away and again while we look (every 50 ms at first,
+   backing off to about a second while nothing changes, and at once after losing a leader), so
+   peers that started together soon see the same declarations.
+3. Ask the most senior peer we see (smallest (T, peer id), only peers more senior than us) to take
+   us in; follow redirects (NOT_A_LEADER / GROUP_DISBANDED name the leader to try next), skip
+   peers that refused us until they declare anew. Meanwhile we accept less senior peers ourselves.
+4. A leader assembles the moment it holds target_group_size peers, or when its own clock reaches T
+   with at least min_group_size; with fewer it declares a later T (followers hear the new wait).
+   Assembly: random group_id, shuffled order, everyone's gather bytes, sent as BEGIN_ALLREDUCE.
+5. A follower waits for BEGIN for the wait the leader announced plus request_timeout, never past
+   its own deadline; if the leader disbands, vanishes or sends nonsense, it goes back to step 3.
+6. The round ends with a group, or with None at the deadline; we then withdraw the declaration
+   (store `False` just after T) in the background.
+
+Every wait is bounded by request_timeout or the deadline. Skew between clocks changes who leads,
+not whether a group forms: seniority compares declared numbers, each leader times its own
+assembly on its own clock, and followers receive durations rather than foreign timestamps.
+
+One stream handler per host serves every prefix (`_services`): the request names its group key,
+and unknown prefixes get BAD_GROUP_KEY.
+"""
+
+import asyncio
+import math
+import os
+import random
+import weakref
+from collections.abc import Callable
+
+from ..dht.node import DHTNode
+from ..p2p import rpc
+from ..p2p.host import Host
+from ..p2p.identity import PeerID
+from ..utils.logging import get_logger
+from ..utils.timing import get_dht_time
+from .group_info import GroupInfo, check_group_bits, check_group_key, make_group_key, next_group_bits
+from .matchmaking_messages import (
+    JOIN_PROTOCOL,
+    MAX_GATHER_BYTES,
+    MAX_JOIN_MESSAGE_SIZE,
+    JoinCode,
+    JoinRequest,
+    JoinResponse,
+)
+from .matchmaking_state import LeaderProtocolError, MatchmakingState, Phase
+
+logger = get_logger(__name__)
+
+GROUP_ID_BYTES = 20
+MAX_JOIN_REQUEST_SIZE = MAX_GATHER_BYTES + (4 << 10)
+FIRST_POLL_INTERVAL = 0.05
+MAX_REDIRECTS = 16  # consecutive leader suggestions we follow before going back to the DHT view
+_SHORT_REFUSALS = {JoinCode.NOT_A_LEADER, JoinCode.GROUP_DISBANDED, JoinCode.NOT_DECLARED,
+                   JoinCode.DUPLICATE_PEER_ID, JoinCode.PROTOCOL_VIOLATION}
+
+_services: "weakref.WeakKeyDictionary[Host, dict[str, Matchmaking]]" = weakref.WeakKeyDictionary()
+
+
+class _Mailbox:
+    """Messages for one accepted follower: at most one pending (a final answer is never overwritten)."""
+
+    def __init__(self):
+        self._pending: JoinResponse | None = None
+        self._ready = asyncio.Event()
+
+    def post(self, response: JoinResponse) -> None:
+        if self._pending is not None and self._pending.join_code is not JoinCode.ACCEPTED:
+            return
+        self._pending = response
+        self._ready.set()
+
+    async def get(self) -> JoinResponse:
+        await self._ready.wait()
+        self._ready.clear()
+        response, self._pending = self._pending, None
+        return response
+
+
+class Matchmaking:
+    """Finds a group of peers to average with; see the module comment for the protocol."""
+
+    def __init__(self, host: Host, dht_node: DHTNode, *, prefix: str, schema_hash: bytes,
+                 target_group_size: int | None, min_group_size: int = 2, initial_group_bits: str = "",
+                 min_matchmaking_time: float = 5.0, request_timeout: float = 3.0, client_mode: bool = False,
+                 clock: Callable[[], float] = get_dht_time):
+        if min_matchmaking_time < 0 or request_timeout <= 0:
+            raise ValueError("min_matchmaking_time must be >= 0 and request_timeout > 0")
+        self.host, self.dht_node, self.prefix = host, dht_node, prefix
+        self.peer_id: PeerID = host.peer_id
+        self._group_bits = check_group_bits(initial_group_bits)
+        make_group_key(prefix, initial_group_bits)  # rejects a prefix with dots early
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.min_matchmaking_time, self.request_timeout = min_matchmaking_time, request_timeout
+        self.client_mode, self._clock = client_mode, clock
+        self._state = MatchmakingState(self.peer_id, schema_hash=schema_hash, target_group_size=target_group_size,
+                                       min_group_size=min_group_size, client_mode=client_mode)
+        self._rng = random.SystemRandom()
+        self._max_poll_interval = min(1.0, max(0.1, min_matchmaking_time / 5))
+        self._running = False
+        self._wakeup = self._poll_now = None  # asyncio.Events of the current round
+        self._view: dict[PeerID, float] = {}
+        self._stored_until: float | None = None  # the latest declared time the DHT accepted this round
+        self._refused: dict[PeerID, tuple[float, float]] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.last_leader: PeerID | None = None
+        """The leader of the last group we formed (our own id if we led it)."""
+        self._register()
+
+    # --- configuration ------------------------------------------------------------------------
+
+    @property
+    def group_bits(self) -> str:
+        return self._group_bits
+
+    @group_bits.setter
+    def group_bits(self, bits: str) -> None:
+        self._group_bits = check_group_bits(bits)
+
+    @property
+    def group_key(self) -> str:
+        return make_group_key(self.prefix, self._group_bits)
+
+    def _register(self) -> None:
+        services = _services.get(self.host)
+        if services is None:
+            services = _services[self.host] = {}
+            rpc.add_handler(self.host, JOIN_PROTOCOL, _make_join_handler(services), bytes, JoinResponse,
+                            stream_input=True, stream_output=True, max_message_size=MAX_JOIN_REQUEST_SIZE)
+        if self.prefix in services:
+            raise ValueError(f"this host already runs matchmaking for prefix {self.prefix!r}")
+        services[self.prefix] = self
+
+    async def shutdown(self) -> None:
+        """Stop serving this prefix and finish background withdrawals (bounded by request_timeout)."""
+        services = _services.get(self.host, {})
+        if services.get(self.prefix) is self:
+            del services[self.prefix]
+            if not services:
+                self.host.remove_stream_handler(JOIN_PROTOCOL)
+                _services.pop(self.host, None)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.request_timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # --- one round ----------------------------------------------------------------------------
+
+    async def look_for_group(self, *, gather: bytes, deadline: float,
+                             scheduled_time: float | None = None) -> GroupInfo | None:
+        """Find a group before `deadline` (event-loop time); None if there is none by then.
+
+        `scheduled_time` (DHT time) is the earliest moment we want to assemble; by default
+        now + min_matchmaking_time. On success the group bits move on (see `next_group_bits`).
+        """
+        if self._running:
+            raise RuntimeError("look_for_group is already running for this averager")
+        if len(gather) > MAX_GATHER_BYTES:
+            raise ValueError(f"gather of {len(gather)} bytes exceeds the {MAX_GATHER_BYTES}-byte limit")
+        loop = asyncio.get_running_loop()
+        self._running, group, key = True, None, self.group_key
+        self._state.start(key, bytes(gather))
+        self._wakeup, self._poll_now = asyncio.Event(), asyncio.Event()
+        self._view, self._refused, self._stored_until = {}, {}, None
+        poller = None
+        try:
+            if not self.client_mode:
+                await self._declare(key, deadline, scheduled_time)
+            poller = loop.create_task(self._poll(key))
+            group = await self._match(key, deadline)
+            return group
+        finally:
+            if self._state.phase in (Phase.LOOKING, Phase.FOLLOWING):
+                self._deliver(self._state.stop("the leader stopped looking for a group"))
+            if poller is not None:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+            if self._stored_until is not None:
+                self._spawn(self._withdraw(key, self._stored_until))
+            if group is not None:
+                self.last_leader = self._state.leader
+                self._group_bits = next_group_bits(self._group_bits, group, self.peer_id, self.target_group_size)
+            self._running = False
+
+    async def _match(self, key: str, deadline: float) -> GroupInfo | None:
+        loop = asyncio.get_running_loop()
+        suggestion, redirects = None, 0
+        while True:
+            self._wakeup.clear()  # cleared before checking, so a wake-up during the checks is kept
+            if loop.time() >= deadline:
+                logger.debug(f"{self._state!r}: no group before the deadline")
+                return None
+            if self._state.should_assemble(self._clock()):
+                return self._assemble()
+            if self._own_time_passed() and not self._state.should_assemble(self._clock()):
+                if await self._extend(key, deadline):
+                    continue
+            leader = suggestion if suggestion is not None else next(iter(self._candidates()), None)
+            suggestion = None
+            if leader is not None:
+                outcome = await self._try_leader(leader, deadline)
+                if isinstance(outcome, GroupInfo):
+                    return outcome
+                if isinstance(outcome, PeerID) and redirects < MAX_REDIRECTS and not self._skip(outcome):
+                    suggestion, redirects = outcome, redirects + 1
+                else:
+                    redirects = 0
+                continue
+            try:
+                async with asyncio.timeout_at(min(deadline, self._own_timer())):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                pass
+
+    def _assemble(self) -> GroupInfo:
+        group, notices = self._state.assemble(os.urandom(GROUP_ID_BYTES), self._rng.shuffle)
+        self._deliver(notices)
+        logger.debug(f"{self.peer_id.short()} assembled {group!r}")
+        return group
+
+    # --- the DHT ------------------------------------------------------------------------------
+
+    def _declared_time(self, deadline: float, scheduled_time: float | None) -> float:
+        now = self._clock()
+        latest = now + max(0.0, deadline - asyncio.get_running_loop().time())
+        wanted = now + self.min_matchmaking_time
+        if scheduled_time is not None:
+            wanted = max(wanted, scheduled_time)
+        return min(wanted, latest)
+
+    async def _declare(self, key: str, deadline: float, scheduled_time: float | None) -> None:
+        """Declare (or move) our time T. Followers hear the new wait before the store, not after it."""
+        expiration = self._declared_time(deadline, scheduled_time)
+        self._deliver(self._state.declare(expiration, self._clock()))
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                stored = await self.dht_node.store(key, True, expiration, subkey=self.peer_id.to_bytes())
+        except (TimeoutError, OSError) as error:
+            logger.debug(f"{self.peer_id.short()} could not declare itself under {key}: {error!r}")
+            stored = False
+        if stored:
+            self._stored_until = max(self._stored_until or expiration, expiration)
+        elif self._state.phase is Phase.LOOKING:  # nobody can see us, so nobody would lead us correctly
+            logger.debug(f"{self.peer_id.short()}: declaration under {key} not stored; joining others only")
+            self._deliver(self._state.declare(None, self._clock()))
+        self._wakeup.set()
+
+    async def _extend(self, key: str, deadline: float) -> bool:
+        """Our time came without enough peers: declare a later time if the deadline allows."""
+        old = self._state.declared
+        new = self._declared_time(deadline, None)
+        if old is not None and new <= old + 1e-3:
+            return False
+        logger.debug(f"{self._state!r}: not enough peers by our declared time, declaring a later one")
+        await self._declare(key, deadline, None)
+        return True
+
+    async def _withdraw(self, key: str, expiration: float) -> None:
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                await self.dht_node.store(key, False, math.nextafter(expiration, math.inf),
+                                          subkey=self.peer_id.to_bytes())
+        except (TimeoutError, OSError) as error:
+            logger.debug(f"{self.peer_id.short()} could not withdraw from {key}: {error!r}")
+
+    async def _poll(self, key: str) -> None:
+        """Keep `self._view` ({peer: declared time}) fresh; wake the matcher when it changes."""
+        interval = FIRST_POLL_INTERVAL
+        while True:
+            self._poll_now.clear()
+            if self._state.phase is not Phase.FOLLOWING:
+                view = await self._read_bucket(key)
+                if view is not None and view != self._view:
+                    self._view, interval = view, FIRST_POLL_INTERVAL
+                    self._wakeup.set()
+                else:
+                    interval = min(interval * 2, self._max_poll_interval)
+            try:
+                async with asyncio.timeout(interval):
+                    await self._poll_now.wait()
+            except TimeoutError:
+                pass
+
+    async def _read_bucket(self, key: str) -> dict[PeerID, float] | None:
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                found = await self.dht_node.get(key, latest=True)
+        except (TimeoutError, OSError) as error:
+            logger.debug(f"{self.peer_id.short()} could not read {key}: {error!r}")
+            return None
+        view = {}
+        if found is not None and isinstance(found.value, dict):
+            for subkey, entry in found.value.items():
+                if entry.value is True and isinstance(subkey, bytes):
+                    try:
+                        view[PeerID(subkey)] = float(entry.expiration_time)
+                    except ValueError:
+                        continue  # not a peer id: someone else's garbage in our bucket
+        return view
+
+    # --- asking leaders -----------------------------------------------------------------------
+
+    def _candidates(self) -> list[PeerID]:
+        return self._state.candidates(self._view, lambda peer, declared: self._skip(peer, declared))
+
+    def _skip(self, peer: PeerID, declared: float | None = None) -> bool:
+        """Whether `peer` refused us (or failed) under the declaration it still shows."""
+        if peer == self.peer_id:
+            return True
+        refused = self._refused.get(peer)
+        if refused is None:
+            return False
+        if declared is None:
+            declared = self._view.get(peer)
+        return declared == refused[0] and asyncio.get_running_loop().time() < refused[1]
+
+    def _refuse(self, peer: PeerID, short: bool) -> None:
+        until = asyncio.get_running_loop().time() + self.request_timeout if short else math.inf
+        self._refused[peer] = (self._view.get(peer), until)
+
+    def _own_time_passed(self) -> bool:
+        return self._state.declared is not None and self._clock() >= self._state.declared
+
+    def _own_timer(self) -> float:
+        """Event-loop time at which our declared time comes (inf if none or already past)."""
+        if self._state.declared is None or self._own_time_passed():
+            return math.inf
+        return asyncio.get_running_loop().time() + (self._state.declared - self._clock())
+
+    async def _try_leader(self, leader: PeerID, deadline: float) -> GroupInfo | PeerID | None:
+        """Ask `leader` to take us in. Returns the group, a leader to try next, or None."""
+        loop = asyncio.get_running_loop()
+        request = JoinRequest(self._state.group_key, self._state.schema_hash,
+                              None if self.client_mode else self._state.declared, self._state.gather,
+                              self.client_mode)
+        stream, reader = None, None
+        try:
+            async with asyncio.timeout_at(min(deadline, loop.time() + self.request_timeout)):
+                stream = await self.host.new_stream(leader, JOIN_PROTOCOL, lazy=True)
+                await rpc.write_frame(stream, request)
+                reader = loop.create_task(_read_response(stream))
+                while not reader.done():  # wait for the answer unless our own group becomes ready first
+                    self._wakeup.clear()
+                    if self._state.should_assemble(self._clock()):
+                        logger.debug(f"{self._state!r}: ready to assemble, dropping the request to {leader.short()}")
+                        _close(stream, reader)
+                        return None
+                    waker = loop.create_task(self._wakeup.wait())
+                    timer = self._own_timer()
+                    try:
+                        await asyncio.wait({reader, waker}, return_when=asyncio.FIRST_COMPLETED,
+                                           timeout=None if timer == math.inf else max(0.0, timer - loop.time()))
+                    finally:
+                        waker.cancel()
+                first = reader.result()
+        except Exception as error:  # unreachable, timed out, or spoke nonsense: all the leader's fault
+            logger.debug(f"{self.peer_id.short()}: join request to {leader.short()} failed: {error!r}")
+            self._refuse(leader, short=False)
+            _close(stream, reader)
+            return None
+        if first is None or first.join_code is not JoinCode.ACCEPTED:
+            code = first.join_code if first is not None else JoinCode.NOT_LOOKING_FOR_GROUP
+            self._refuse(leader, short=code in _SHORT_REFUSALS)
+            _close(stream, reader)
+            logger.debug(f"{self.peer_id.short()}: {leader.short()} answered {first!r}")
+            if first is not None and first.suggested_leader is not None:
+                return PeerID(first.suggested_leader)
+            return None
+        self._deliver(self._state.on_accepted(leader))
+        return await self._follow(leader, stream, first.time_left, deadline)
+
+    async def _follow(self, leader: PeerID, stream, time_left: float, deadline: float) -> GroupInfo | PeerID | None:
+        """Wait for our leader's BEGIN; on any trouble go back to looking."""
+        loop = asyncio.get_running_loop()
+        wait_until = loop.time() + time_left + self.request_timeout
+        outcome, reason = None, "the leader closed the stream"
+        try:
+            while True:
+                async with asyncio.timeout_at(min(deadline, wait_until)):
+                    response = await _read_response(stream)
+                if response is None:
+                    break
+                code = response.join_code
+                if code is JoinCode.ACCEPTED:
+                    wait_until = loop.time() + response.time_left + self.request_timeout
+                    continue
+                if code is JoinCode.BEGIN_ALLREDUCE:
+                    group = self._state.on_begin(leader, response)
+                    await stream.close()
+                    return group
+                reason = f"the leader answered {response!r}"
+                if response.suggested_leader is not None:
+                    outcome = PeerID(response.suggested_leader)
+                break
+        except asyncio.CancelledError:
+            stream.reset()
+            raise
+        except Exception as error:
+            reason = f"{error!r}" if not isinstance(error, TimeoutError) else "timed out waiting for the group"
+            if isinstance(error, LeaderProtocolError):
+                logger.warning(f"{self.peer_id.short()}: leader {leader.short()} misbehaved: {error}")
+        stream.reset()
+        logger.debug(f"{self.peer_id.short()} lost leader {leader.short()}: {reason}")
+        self._state.on_leader_lost()
+        self._refuse(leader, short=outcome is not None)
+        self._poll_now.set()
+        return outcome
+
+    # --- serving followers --------------------------------------------------------------------
+
+    async def _serve_follower(self, peer: PeerID, request: JoinRequest, requests):
+        """Answer one join stream: accept or refuse, then relay updates until BEGIN or the end."""
+        mailbox = _Mailbox()
+        response = self._state.on_join_request(peer, request, self._clock(), mailbox)
+        yield response
+        if response.join_code is not JoinCode.ACCEPTED:
+            return
+        logger.debug(f"{self._state!r} accepted {peer.short()}")
+        self._wakeup.set()  # we may be full now
+        loop = asyncio.get_running_loop()
+        gone = loop.create_task(anext(requests, None))  # EOF, reset or extra data: the follower left
+        getter = None
+        try:
+            while True:
+                getter = loop.create_task(mailbox.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    break
+                message = getter.result()
+                yield message
+                if message.join_code is not JoinCode.ACCEPTED:
+                    return
+        finally:
+            for task in (getter, gone):
+                if task is not None:
+                    task.cancel()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # retrieved: a reset is an ordinary way to leave
+            if self._state.on_follower_left(mailbox):
+                logger.debug(f"{self._state!r}: follower {peer.short()} left")
+                self._wakeup.set()
+
+    def _deliver(self, notices) -> None:
+        for mailbox, response in notices:
+            mailbox.post(response)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def __repr__(self) -> str:
+        return f"<Matchmaking {self.prefix} {self._state!r}>"
+
+
+async def _read_response(stream) -> JoinResponse | None:
+    frame = await rpc.read_frame(stream, MAX_JOIN_MESSAGE_SIZE)
+    if frame is None:
+        return None
+    kind, payload = frame
+    if kind == rpc.ERROR:
+        raise rpc.RPCError(payload.decode(errors="replace"), stream.remote_peer, JOIN_PROTOCOL)
+    return JoinResponse.decode(payload)
+
+
+def _close(stream, reader) -> None:
+    if reader is not None and not reader.done():
+        reader.cancel()
+    elif reader is not None and not reader.cancelled():
+        reader.exception()
+    if stream is not None:
+        stream.reset()
+
+
+def _make_join_handler(services: dict[str, Matchmaking]):
+    async def serve_join(requests, context: rpc.RPCContext):
+        raw = await anext(requests, None)
+        if raw is None:
+            return
+        try:
+            request = JoinRequest.decode(raw)
+            prefix, _ = check_group_key(request.group_key)
+        except Exception as error:  # any undecodable request is the sender's fault
+            yield JoinResponse.refusal(JoinCode.PROTOCOL_VIOLATION, f"malformed JoinRequest: {error}")
+            return
+        service = services.get(prefix)
+        if service is None:
+            yield JoinResponse.refusal(JoinCode.BAD_GROUP_KEY, f"no averager with prefix {prefix!r} here")
+            return
+        async for response in service._serve_follower(context.remote_peer, request, requests):
+            yield response
+
+    return serve_join

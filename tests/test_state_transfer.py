@@ -22,6 +22,7 @@ from plexus.averaging.state_messages import (
 )
 from plexus.averaging.state_transfer import (
     StateDownloadError,
+    StateDownloadTimeout,
     StateSharing,
     _ChunkBoard,
     find_donors,
@@ -290,6 +291,52 @@ def test_all_donors_failing_gives_a_clear_error_within_the_deadline():
                 await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10, max_attempts=5)
             assert time.perf_counter() - started < 10
             assert set(caught.value.failures) == {a.host.peer_id, b.host.peer_id}
+
+    run(main())
+
+
+def test_stalled_donors_end_in_a_timeout_or_a_stall_error_never_a_hang():
+    async def main():
+        async with swarm(2) as (donor, newcomer):
+            metadata, tensors = make_state()
+            sharing = await share(donor, (metadata, tensors))
+            never = asyncio.Event()
+
+            async def stall(request, stream):
+                await never.wait()
+
+            sharing._serve_chunks = stall
+            started = time.perf_counter()
+            with pytest.raises(StateDownloadTimeout, match=r"within 1.0 s \(0 of 39 chunks verified"):
+                await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=1.0)
+            assert time.perf_counter() - started < 3
+            started = time.perf_counter()
+            with pytest.raises(StateDownloadError, match="made no progress for 0.3 s") as caught:
+                await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10, stall_timeout=0.3)
+            assert not isinstance(caught.value, StateDownloadTimeout)
+            assert time.perf_counter() - started < 3
+            await sharing.shutdown()
+
+    run(main())
+
+
+def test_a_dropped_snapshot_is_replaced_and_the_download_goes_on():
+    async def main():
+        async with swarm(2) as (donor, newcomer):
+            metadata, tensors = make_state()
+            sharing = await share(donor, (metadata, tensors))
+            serve_chunks = sharing._serve_chunks
+
+            async def forget_once(request, stream):
+                if sharing.snapshots_taken == 1:
+                    sharing._snapshots.clear()  # as if it expired between the manifest and the chunks
+                return await serve_chunks(request, stream)
+
+            sharing._serve_chunks = forget_once
+            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            assert_same(tensors, loaded)
+            assert sharing.snapshots_taken == 2
+            await sharing.shutdown()
 
     run(main())
 

@@ -80,6 +80,7 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 MAX_SNAPSHOTS = 2
 MAX_DECLARED_ADDRS = 8
 MAX_ADDR_BYTES = 256
+SHUTDOWN_DECLARE_TIMEOUT = 5.0
 REQUEST_READ_TIMEOUT = 10.0  # a caller gets this long to send its one request frame
 DEFAULT_DOWNLOAD_TIMEOUT = 600.0
 BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.05, 2.0
@@ -248,7 +249,7 @@ class StateSharing:
             await asyncio.gather(self._declarer, return_exceptions=True)
             self._declarer = None
             self._allow_sharing = False
-            await self._declare()
+            await self._declare(timeout=min(self.declare_period, SHUTDOWN_DECLARE_TIMEOUT))
         _StateService.unregister(self.host, self)
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -290,7 +291,7 @@ class StateSharing:
 
     # --- declaring ---------------------------------------------------------------------------------
 
-    async def _declare(self) -> None:
+    async def _declare(self, timeout: float | None = None) -> None:
         if self._allow_sharing:
             addrs = [bytes(addr.to_bytes()) for addr in self.host.get_visible_maddrs()[:MAX_DECLARED_ADDRS]]
             value = (self._priority, addrs)
@@ -298,7 +299,7 @@ class StateSharing:
             value = None
         expiration = get_dht_time() + 2 * self.declare_period
         try:
-            async with asyncio.timeout(self.declare_period):
+            async with asyncio.timeout(timeout or self.declare_period):
                 stored = await self.dht_node.store(all_averagers_key(self.prefix), value, expiration,
                                                    subkey=self.host.peer_id.to_bytes())
             if not stored:
@@ -371,6 +372,8 @@ class StateSharing:
                 return newest
         if self._building is None:
             self._building = self._loop.create_task(self._build_snapshot())
+            # its waiters may all be gone by the time it fails: mark the error as seen, they log it
+            self._building.add_done_callback(lambda task: task.cancelled() or task.exception())
         return await asyncio.shield(self._building)
 
     async def _build_snapshot(self) -> _Snapshot:

@@ -369,6 +369,7 @@ def test_busy_compute_thread_leaves_the_loop_free_and_waiting_requests_share_a_b
     module.gate.set()  # let the schema inference through
     backend = ModuleBackend("gated.0", module, args_schema=(BatchTensorDescriptor((2,)),))
     module.gate.clear()
+    module.entered.clear()
     module.batch_sizes.clear()
     try:
         with Server(host, {"gated.0": backend}):

@@ -7,9 +7,9 @@ Three kinds of input, told apart by `detect_format`:
 - "wikitext": WikiText-103 raw files (`wiki.train.raw`). An article starts at a ` = Title = `
   line; ` = = Section = = ` headings and blank lines stay inside it. The dataset's tokenisation
   artefacts (` @-@ `, spaces before commas) are undone.
-- "disk": a dataset written by `datasets`' `save_to_disk`. Each row of `text_column` is a
-  document, unless the rows are WikiText lines (as in the hub's `wikitext-103-raw-v1`), in which
-  case they are read like a wikitext file.
+- "disk": a dataset written by `datasets`' `save_to_disk`. Each row of `text_column` is read like
+  a text file (usually one document), unless the rows are WikiText lines (as in the hub's
+  `wikitext-103-raw-v1`), which are read like a wikitext file.
 
 Sentences are split with a regular expression (end punctuation, space, capital or digit): no nltk
 data to download, and good enough for pairs whose boundary only has to fall between sentences.
@@ -93,21 +93,21 @@ def text_files(path: str) -> list[str]:
     return found
 
 
-def detect_format(path: str) -> str:
-    """'disk', 'wikitext' or 'text' for an input path; raises SystemExit saying what to pass instead."""
+def check_input(path: str) -> None:
+    """Raise SystemExit, saying what to pass instead, unless `path` holds something we can read."""
     if not os.path.exists(path):
         raise SystemExit(
             f"error: --input_path {path!r} does not exist. Pass a folder of .txt files, a WikiText-103 raw file "
             f"(e.g. wikitext-103-raw/wiki.train.raw), or a folder written by datasets' save_to_disk. "
             f"To build the offline demo corpus first, run: python make_demo_corpus.py")
-    if _is_saved_dataset(path):
-        return "disk"
-    files = text_files(path)
-    if not files:
+    if not _is_saved_dataset(path) and not text_files(path):
         raise SystemExit(f"error: {path!r} holds no .txt or .raw files and is not a saved dataset "
                          f"(no dataset_info.json, dataset_dict.json or state.json); pass one of those")
-    with open(files[0], encoding="utf-8", errors="replace") as f:
-        return "wikitext" if files[0].endswith(".raw") or looks_like_wikitext(f) else "text"
+
+
+def file_format(name: str) -> str:
+    with open(name, encoding="utf-8", errors="replace") as f:
+        return "wikitext" if name.endswith(".raw") or looks_like_wikitext(f) else "text"
 
 
 def _dataset_rows(path: str, split: str, text_column: str) -> Iterable[str]:
@@ -126,18 +126,22 @@ def _dataset_rows(path: str, split: str, text_column: str) -> Iterable[str]:
 
 def read_documents(path: str, input_format: str = "auto", split: str = "train",
                    text_column: str = "text") -> Iterator[Document]:
-    """All documents of the input, in a fixed order; each call reads the input again from the start."""
-    if input_format == "auto":
-        input_format = detect_format(path)
-    if input_format == "disk":
+    """All documents of the input, in a fixed order; each call reads the input again from the start.
+
+    With input_format "auto", a saved dataset is read as "disk" and each file as "wikitext" or
+    "text" by its name (.raw) or by its first lines (a ` = Title = ` line).
+    """
+    check_input(path)
+    if input_format not in ("auto", "text", "wikitext", "disk"):
+        raise SystemExit(f"error: unknown --input_format {input_format!r}; use auto, text, wikitext or disk")
+    if input_format == "disk" or (input_format == "auto" and _is_saved_dataset(path)):
         if looks_like_wikitext(_dataset_rows(path, split, text_column)):
             yield from read_wikitext_lines(_dataset_rows(path, split, text_column))
         else:
             for row in _dataset_rows(path, split, text_column):
-                yield from read_text_lines(row.splitlines() + [""])
+                yield from read_text_lines(row.splitlines())
         return
-    if input_format not in ("text", "wikitext"):
-        raise SystemExit(f"error: unknown --input_format {input_format!r}; use auto, text, wikitext or disk")
     for name in text_files(path):
+        kind = file_format(name) if input_format == "auto" else input_format
         with open(name, encoding="utf-8", errors="replace") as f:
-            yield from (read_wikitext_lines if input_format == "wikitext" else read_text_lines)(f)
+            yield from (read_wikitext_lines if kind == "wikitext" else read_text_lines)(f)

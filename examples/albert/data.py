@@ -45,7 +45,7 @@ class PretrainingDataset(torch.utils.data.Dataset):
         return len(self.arrays[LABEL])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {name: torch.from_numpy(array[index].astype(np.int64)) for name, array in self.arrays.items()}
+        return {name: torch.from_numpy(np.asarray(array[index], dtype=np.int64)) for name, array in self.arrays.items()}
 
 
 def shuffled_order(size: int, seed: int, epoch: int) -> torch.Tensor:

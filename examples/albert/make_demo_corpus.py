@@ -157,8 +157,10 @@ def main():
         for label, licence, documents in sources:
             source_bytes = 0
             for paragraphs in documents:
+                if written >= limit:
+                    break
                 fresh = [p for p in paragraphs if p not in seen]  # the same docstring is often inherited
-                if not fresh or written >= limit:
+                if not fresh:
                     continue
                 seen.update(fresh)
                 chunk = "\n".join(fresh) + "\n\n"

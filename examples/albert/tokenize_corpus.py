@@ -177,9 +177,10 @@ class ArrayWriter:
 def main():
     from flags import apply_flags
 
-    from corpus import read_documents
+    from corpus import check_input, read_documents
 
     apply_flags(globals(), __doc__)
+    check_input(input_path)
     if seq_length < 8:
         raise SystemExit(f"error: --seq_length {seq_length} leaves no room for a pair; use 64 or more")
 

@@ -3,7 +3,7 @@
 import asyncio
 import contextlib
 import hashlib
-import random
+import threading
 import time
 
 import pytest
@@ -99,6 +99,10 @@ def assert_same(expected, got):
         assert torch.equal(a, b)
 
 
+async def load(peer: Peer, prefix: str = PREFIX, **kwargs):
+    return await load_state_from_peers(peer.host, peer.node, prefix, **{"timeout": 20, **kwargs})
+
+
 async def share(peer: Peer, state, **kwargs) -> StateSharing:
     kwargs.setdefault("chunk_size_bytes", CHUNK)
     return await StateSharing(peer.host, peer.node, PREFIX, lambda: state, **kwargs).start()
@@ -110,7 +114,7 @@ def test_newcomer_downloads_exact_state_and_metadata():
             metadata, tensors = make_state()
             sharing = await share(donor, (metadata, tensors), priority=3)
             started = time.perf_counter()
-            loaded_metadata, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            loaded_metadata, loaded = await load(newcomer)
             elapsed = time.perf_counter() - started
             assert loaded_metadata == metadata and isinstance(loaded_metadata["nested"], tuple)
             assert_same(tensors, loaded)
@@ -125,7 +129,7 @@ def test_two_donors_with_identical_state_both_serve_chunks():
     async def main():
         async with swarm(3) as (a, b, newcomer):
             metadata, tensors = make_state()
-            shared = [await share(a, (metadata, tensors), priority=1), await share(b, (metadata, tensors), priority=1)]
+            shared = [await share(peer, (metadata, tensors), priority=1) for peer in (a, b)]
             # whichever donor the newcomer starts with holds its first batch until the other one has served a
             # chunk, so the test does not depend on which manifest arrives first
             served, first = {s: asyncio.Event() for s in shared}, []
@@ -144,7 +148,7 @@ def test_two_donors_with_identical_state_both_serve_chunks():
                     return serve_payload(snapshot, index)
 
                 s._serve_chunks, s._chunk_payload = gated, payload
-            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20, batch_chunks=4)
+            _, loaded = await load(newcomer, batch_chunks=4)
             assert_same(tensors, loaded)
             assert all(s.chunks_served > 0 for s in shared), [s.chunks_served for s in shared]
             for s in shared:
@@ -158,7 +162,17 @@ def test_state_changing_during_a_download_yields_the_snapshot():
         async with swarm(3) as (donor, first, second):
             metadata, tensors = make_state()
             original = [t.clone() for t in tensors]
-            sharing = await share(donor, (metadata, tensors), snapshot_max_age=0)
+            lock, entered = threading.Lock(), []
+
+            class TrainingLock:  # what a training thread holds while it updates the tensors
+                def __enter__(self):
+                    lock.acquire()
+                    entered.append(1)
+
+                def __exit__(self, *exc_info):
+                    lock.release()
+
+            sharing = await share(donor, (metadata, tensors), state_lock=TrainingLock(), priority=7)
             serve = StateSharing._chunk_payload
 
             def averaging_round_midway(snapshot, index):  # an averaging round lands between two chunks
@@ -170,15 +184,16 @@ def test_state_changing_during_a_download_yields_the_snapshot():
                 return serve(sharing, snapshot, index)
 
             sharing._chunk_payload = averaging_round_midway
-            loaded_metadata, loaded = await load_state_from_peers(first.host, first.node, PREFIX, timeout=20)
+            loaded_metadata, loaded = await load(first)
             assert loaded_metadata["epoch"] == 7
             assert_same(original, loaded)
             assert not torch.equal(tensors[0], original[0])  # the live state did change meanwhile
-            # a later newcomer gets a fresh snapshot (max age 0) with the new values
-            loaded_metadata, loaded = await load_state_from_peers(second.host, second.node, PREFIX, timeout=20)
+            # the donor's epoch moved on: a later newcomer gets a fresh snapshot with the new values
+            sharing.priority = 8
+            loaded_metadata, loaded = await load(second)
             assert loaded_metadata["epoch"] == 8
             assert_same(tensors, loaded)
-            assert sharing.snapshots_taken == 2
+            assert sharing.snapshots_taken == len(entered) == 2 and not lock.locked()
             await sharing.shutdown()
 
     run(main())
@@ -199,7 +214,7 @@ def test_donor_dying_mid_download_newcomer_finishes_from_another():
                 return serve(dying, snapshot, index)
 
             dying._chunk_payload = die_after_first_chunk
-            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20, batch_chunks=4)
+            _, loaded = await load(newcomer, batch_chunks=4)
             assert_same(tensors, loaded)
             assert dead and healthy.chunks_served > 0
             await healthy.shutdown()
@@ -221,7 +236,7 @@ def test_best_donor_dying_falls_back_to_a_donor_with_other_state():
                 return serve(dying, snapshot, index)
 
             dying._chunk_payload = die
-            metadata, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            metadata, loaded = await load(newcomer)
             assert metadata == stale[0]
             assert_same(stale[1], loaded)
             await older.shutdown()
@@ -243,7 +258,7 @@ def test_corrupt_chunks_are_detected_and_refetched_elsewhere():
                 return bytes(data)
 
             liar._chunk_payload = flip_a_byte
-            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            _, loaded = await load(newcomer)
             assert_same(tensors, loaded)
             assert liar.chunks_served >= 1 and honest.chunks_served > 0
             await liar.shutdown()
@@ -255,11 +270,11 @@ def test_corrupt_chunks_are_detected_and_refetched_elsewhere():
 def test_no_donors_returns_none():
     async def main():
         async with swarm(3) as (a, b, newcomer):
-            assert await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10) is None
+            assert await load(newcomer, timeout=10) is None
             # a peer that declared but no longer shares counts as no donor too
             metadata, tensors = make_state()
             sharing = await share(a, (metadata, tensors), allow_sharing=False)
-            assert await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10) is None
+            assert await load(newcomer, timeout=10) is None
             await sharing.shutdown()
 
     run(main())
@@ -272,10 +287,13 @@ def test_all_donors_failing_gives_a_clear_error_within_the_deadline():
             liars = [await share(a, (metadata, tensors)), await share(b, (metadata, tensors))]
             serve = StateSharing._chunk_payload
             for liar in liars:
-                liar._chunk_payload = lambda snapshot, index, liar=liar: b"\x00" + bytes(serve(liar, snapshot, index))[1:]
+                def zero_first_byte(snapshot, index, liar=liar):
+                    return b"\x00" + bytes(serve(liar, snapshot, index))[1:]
+
+                liar._chunk_payload = zero_first_byte
             started = time.perf_counter()
             with pytest.raises(StateDownloadError) as caught:
-                await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10, max_attempts=5)
+                await load(newcomer, timeout=10, max_attempts=5)
             assert time.perf_counter() - started < 10
             message = str(caught.value)
             assert "SHA-256" in message and str(a.host.peer_id) in message and str(b.host.peer_id) in message
@@ -288,7 +306,7 @@ def test_all_donors_failing_gives_a_clear_error_within_the_deadline():
             await b.host.shutdown()
             started = time.perf_counter()
             with pytest.raises(StateDownloadError, match="could not load state") as caught:
-                await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10, max_attempts=5)
+                await load(newcomer, timeout=10, max_attempts=5)
             assert time.perf_counter() - started < 10
             assert set(caught.value.failures) == {a.host.peer_id, b.host.peer_id}
 
@@ -308,11 +326,11 @@ def test_stalled_donors_end_in_a_timeout_or_a_stall_error_never_a_hang():
             sharing._serve_chunks = stall
             started = time.perf_counter()
             with pytest.raises(StateDownloadTimeout, match=r"within 1.0 s \(0 of 39 chunks verified"):
-                await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=1.0)
+                await load(newcomer, timeout=1.0)
             assert time.perf_counter() - started < 3
             started = time.perf_counter()
             with pytest.raises(StateDownloadError, match="made no progress for 0.3 s") as caught:
-                await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=10, stall_timeout=0.3)
+                await load(newcomer, timeout=10, stall_timeout=0.3)
             assert not isinstance(caught.value, StateDownloadTimeout)
             assert time.perf_counter() - started < 3
             await sharing.shutdown()
@@ -333,9 +351,19 @@ def test_a_dropped_snapshot_is_replaced_and_the_download_goes_on():
                 return await serve_chunks(request, stream)
 
             sharing._serve_chunks = forget_once
-            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            _, loaded = await load(newcomer)
             assert_same(tensors, loaded)
             assert sharing.snapshots_taken == 2
+            await sharing.shutdown()
+
+    run(main())
+
+
+def test_metadata_only_state():
+    async def main():
+        async with swarm(2) as (donor, newcomer):
+            sharing = await share(donor, ({"step": 1}, []))
+            assert await load(newcomer, timeout=10) == ({"step": 1}, [])
             await sharing.shutdown()
 
     run(main())
@@ -346,7 +374,7 @@ def test_float16_state_compression_round_trip():
         async with swarm(2) as (donor, newcomer):
             metadata, tensors = make_state()
             sharing = await share(donor, (metadata, tensors), state_compression=Float16Compression())
-            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            _, loaded = await load(newcomer)
             for a, b in zip(tensors, loaded):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 if a.dtype.is_floating_point:
@@ -386,13 +414,15 @@ def test_garbage_requests_get_errors_and_the_donor_keeps_serving():
             assert StateReply.decode(payload).status == ReplyStatus.UNKNOWN_SNAPSHOT
             (kind, payload), = await ask(StateRequest(PREFIX, RequestKind.MANIFEST).encode())
             manifest = StateReply.decode(payload).manifest
-            out_of_range = StateRequest(PREFIX, RequestKind.CHUNKS, manifest.snapshot_id, (manifest.num_chunks,))
+            snapshot_id = manifest.snapshot_id
+            out_of_range = StateRequest(PREFIX, RequestKind.CHUNKS, snapshot_id, (manifest.num_chunks,))
             (kind, text), = await ask(out_of_range.encode())
             assert kind == rpc.ERROR and b"out of range" in text
-            frames = await ask(StateRequest(PREFIX, RequestKind.CHUNKS, manifest.snapshot_id, (1, 0)).encode())
-            assert [hashlib.sha256(f[1]).digest() for f in frames[1:]] == [manifest.chunk_hash(1), manifest.chunk_hash(0)]
+            frames = await ask(StateRequest(PREFIX, RequestKind.CHUNKS, snapshot_id, (1, 0)).encode())
+            digests = [hashlib.sha256(payload).digest() for _, payload in frames[1:]]
+            assert digests == [manifest.chunk_hash(1), manifest.chunk_hash(0)]
             # after all that, a newcomer still gets the state
-            _, loaded = await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20)
+            _, loaded = await load(newcomer)
             assert_same(tensors, loaded)
             await sharing.shutdown()
 
@@ -411,14 +441,14 @@ def test_a_crowd_costs_one_snapshot_and_busy_donors_are_retried():
 
             sharing = await StateSharing(donor.host, donor.node, PREFIX, get_state, chunk_size_bytes=CHUNK,
                                          max_concurrent_uploads=1).start()
-            results = await asyncio.gather(*(load_state_from_peers(p.host, p.node, PREFIX, timeout=20) for p in crowd))
+            results = await asyncio.gather(*(load(p) for p in crowd))
             for _, loaded in results:
                 assert_same(tensors, loaded)
             assert len(calls) == sharing.snapshots_taken == 1
 
             # every upload slot taken: the newcomer backs off and succeeds once one frees up
             sharing._uploads = 1
-            download = asyncio.ensure_future(load_state_from_peers(crowd[0].host, crowd[0].node, PREFIX, timeout=20))
+            download = asyncio.ensure_future(load(crowd[0]))
             deadline = time.monotonic() + 10
             while sharing.busy_refusals < 2:  # poll with a deadline
                 assert time.monotonic() < deadline and not download.done()
@@ -440,8 +470,9 @@ def test_declarations_priorities_and_withdrawal():
             donors = await find_donors(newcomer.node, PREFIX)
             assert [d.peer_id for d in donors] == [b.host.peer_id, a.host.peer_id]
             assert donors[0].addrs == tuple(b.host.get_visible_maddrs())
-            assert [d.peer_id for d in await find_donors(newcomer.node, PREFIX, min_priority=1.5)] == [b.host.peer_id]
-            low.priority = 10  # declared at once, not at the next period
+            recent = await find_donors(newcomer.node, PREFIX, min_priority=1.5)
+            assert [d.peer_id for d in recent] == [b.host.peer_id]
+            await asyncio.to_thread(setattr, low, "priority", 10)  # from a training thread: declared at once
             deadline = time.monotonic() + 10
             while (await find_donors(newcomer.node, PREFIX))[0].peer_id != a.host.peer_id:
                 assert time.monotonic() < deadline
@@ -460,14 +491,28 @@ def test_two_prefixes_share_one_handler_per_host():
         async with swarm(2) as (donor, newcomer):
             one, two = make_state(0), make_state(1)
             first = await share(donor, one)
-            second = await StateSharing(donor.host, donor.node, "other", lambda: two, chunk_size_bytes=CHUNK).start()
+            second = await StateSharing(donor.host, donor.node, "other", lambda: two).start()
             with pytest.raises(ValueError, match="already shares"):
                 await share(donor, one)
-            assert (await load_state_from_peers(newcomer.host, newcomer.node, "other", timeout=20))[0] == two[0]
+            assert (await load(newcomer, "other"))[0] == two[0]
             await second.shutdown()
-            assert (await load_state_from_peers(newcomer.host, newcomer.node, PREFIX, timeout=20))[0] == one[0]
+            assert (await load(newcomer))[0] == one[0]
             await first.shutdown()
             assert STATE_PROTOCOL not in donor.host.protocols
+
+    run(main())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_donor_with_state_on_the_gpu():
+    async def main():
+        async with swarm(2) as (donor, newcomer):
+            metadata, tensors = make_state()
+            on_gpu = [t.cuda() for t in tensors]
+            sharing = await share(donor, (metadata, on_gpu))
+            _, loaded = await load(newcomer)
+            assert_same(tensors, loaded)
+            await sharing.shutdown()
 
     run(main())
 

@@ -26,7 +26,14 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..compression.wire import DTYPES, MAX_DIM, MAX_NDIM, CompressionError, CompressionType, expected_buffer_length
+from ..compression.wire import (
+    DTYPES,
+    MAX_DIM,
+    MAX_NDIM,
+    CompressionError,
+    CompressionType,
+    expected_buffer_length,
+)
 from ..p2p.messages import Message
 
 STATE_PROTOCOL = "/plexus/averaging/state/1.0.0"
@@ -71,9 +78,10 @@ class StateRequest(Message):
                 raise ValueError("a MANIFEST request carries no snapshot id and no chunks")
         elif self.kind == RequestKind.CHUNKS:
             if len(self.snapshot_id) != SNAPSHOT_ID_SIZE:
-                raise ValueError(f"snapshot_id must have {SNAPSHOT_ID_SIZE} bytes, got {len(self.snapshot_id)}")
+                raise ValueError(f"snapshot_id must have {SNAPSHOT_ID_SIZE} bytes")
             if not 0 < len(self.chunks) <= MAX_CHUNKS_PER_REQUEST:
-                raise ValueError(f"a CHUNKS request asks for 1 to {MAX_CHUNKS_PER_REQUEST} chunks, got {len(self.chunks)}")
+                raise ValueError(f"a CHUNKS request asks for 1 to {MAX_CHUNKS_PER_REQUEST} chunks, "
+                                 f"not {len(self.chunks)}")
             if any(index < 0 or index >= MAX_CHUNKS for index in self.chunks):
                 raise ValueError(f"chunk indices must be in [0, {MAX_CHUNKS})")
         else:
@@ -92,7 +100,8 @@ class TensorHeader(Message):
 
     def __post_init__(self) -> None:
         if len(self.size) > MAX_NDIM or any(d < 0 or d > MAX_DIM for d in self.size):
-            raise ValueError(f"tensor size {self.size} is outside the limits ({MAX_NDIM} dims of at most {MAX_DIM})")
+            raise ValueError(f"tensor size {self.size} is outside the limits "
+                             f"({MAX_NDIM} dims of at most {MAX_DIM})")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.compression not in CompressionType._value2member_map_:

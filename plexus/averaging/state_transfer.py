@@ -35,6 +35,7 @@ share); `StateDownloadError` naming every donor tried and why it failed otherwis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import os
@@ -42,7 +43,7 @@ import random
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ContextManager
 
 import torch
 
@@ -61,6 +62,7 @@ from .state_messages import (
     HASH_SIZE,
     MAX_CHUNKS_PER_REQUEST,
     MAX_CHUNK_SIZE,
+    MAX_METADATA_SIZE,
     MAX_REPLY_SIZE,
     MAX_REQUEST_SIZE,
     MIN_CHUNK_SIZE,
@@ -112,15 +114,18 @@ class _Snapshot:
     chunks: list  # memoryview or bytes per chunk
     created: float
     last_used: float
+    version: int
 
 
-def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor], infos: Sequence[CompressionInfo | None],
-                        compression: CompressionBase, chunk_size: int) -> tuple[StateManifest, list]:
-    """Compress private copies of the tensors, cut their buffers into chunks and hash them (runs in a thread)."""
+def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor],
+                        infos: Sequence[CompressionInfo | None], compression: CompressionBase,
+                        chunk_size: int) -> tuple[StateManifest, list]:
+    """Compress private copies of the tensors, cut their buffers into chunks, hash them (in a thread)."""
     metadata_bytes = MSGPackSerializer.dumps(metadata)
     headers, buffers = [], []
     for tensor, info in zip(tensors, infos):
-        serialized = compression.compress(tensor, info or CompressionInfo.from_tensor(tensor), allow_inplace=True)
+        info = info or CompressionInfo.from_tensor(tensor)
+        serialized = compression.compress(tensor, info, allow_inplace=True)
         headers.append(TensorHeader(serialized.size, serialized.dtype, int(serialized.compression),
                                     serialized.requires_grad, len(serialized.buffer)))
         buffers.append(serialized.buffer)
@@ -187,7 +192,8 @@ class _StateService:
                 await sharer._serve(request, stream)
         except (ValueError, rpc.RPCProtocolError) as error:  # MessageError is a ValueError
             logger.debug(f"bad state request from {stream.remote_peer}: {error}")
-            await rpc.write_frame(stream, f"bad state request: {error}".encode()[: rpc.MAX_ERROR_SIZE], rpc.ERROR)
+            message = f"bad state request: {error}".encode()[: rpc.MAX_ERROR_SIZE]
+            await rpc.write_frame(stream, message, rpc.ERROR)
         except TimeoutError:  # the caller stopped reading: free the upload slot, drop the stream
             logger.debug(f"{stream.remote_peer} stalled a state download; dropping it")
             stream.reset()
@@ -200,8 +206,10 @@ class StateSharing:
 
     Args:
         get_current_state: returns (metadata, tensors) or (metadata, tensors, infos); called on
-            the event loop thread, so it must be quick (take a lock only inside it, if at all).
-            Metadata must be msgpack-serializable (tuples are kept).
+            the event loop thread, so it must be quick. Metadata must be msgpack-serializable
+            (tuples are kept). The tensors are copied right after it returns, with no await between.
+        state_lock: a context manager (e.g. the `threading.Lock` a training thread holds while it
+            updates the tensors) held around the call and the copies, never across an await.
         state_compression: how tensors travel (any CompressionBase, adaptive ones included).
         priority: declared with the peer; newcomers prefer higher (e.g. the local epoch).
         allow_sharing: False declares None and answers NOT_SHARING.
@@ -209,22 +217,25 @@ class StateSharing:
     """
 
     def __init__(self, host: Host, dht_node: DHTNode, prefix: str,
-                 get_current_state: Callable[[], tuple], *, state_compression: CompressionBase = NoCompression(),
+                 get_current_state: Callable[[], tuple], *, state_lock: ContextManager | None = None,
+                 state_compression: CompressionBase = NoCompression(),
                  declare_period: float = 30.0, priority: float = 0.0, allow_sharing: bool = True,
                  client_mode: bool = False, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE,
-                 max_concurrent_uploads: int = 4, snapshot_max_age: float = 5.0, snapshot_retention: float = 30.0,
-                 upload_stall_timeout: float = 30.0):
+                 max_concurrent_uploads: int = 4, snapshot_max_age: float = 5.0,
+                 snapshot_retention: float = 30.0, upload_stall_timeout: float = 30.0):
         if not MIN_CHUNK_SIZE <= chunk_size_bytes <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size_bytes must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
         if max_concurrent_uploads < 1 or declare_period <= 0:
             raise ValueError("max_concurrent_uploads must be >= 1 and declare_period > 0")
         self.host, self.dht_node, self.prefix = host, dht_node, prefix
         self.get_current_state, self.state_compression = get_current_state, state_compression
+        self.state_lock = state_lock if state_lock is not None else contextlib.nullcontext()
         self.declare_period, self.client_mode, self.chunk_size = declare_period, client_mode, chunk_size_bytes
         self.max_concurrent_uploads, self.upload_stall_timeout = max_concurrent_uploads, upload_stall_timeout
         self.snapshot_max_age, self.snapshot_retention = snapshot_max_age, snapshot_retention
         self._priority, self._allow_sharing = _check_priority(priority), allow_sharing
         self._snapshots: list[_Snapshot] = []
+        self._version = 0  # bumped when the priority changes: the state moved on, take a new snapshot
         self._building: asyncio.Task | None = None
         self._uploads = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -265,6 +276,7 @@ class StateSharing:
         value = _check_priority(value)
         if value != self._priority:
             self._priority = value
+            self._version += 1
             self._wake()
 
     @property
@@ -328,7 +340,8 @@ class StateSharing:
             try:
                 snapshot = await self._current_snapshot()
             except Exception as error:
-                logger.warning(f"could not snapshot the state under {self.prefix!r}: {error!r}", exc_info=True)
+                logger.warning(f"could not snapshot the state under {self.prefix!r}: {error!r}",
+                               exc_info=True)
                 raise ValueError(f"the donor failed to snapshot its state: {error!r}") from None
             await rpc.write_frame(stream, snapshot.reply)
         else:
@@ -337,7 +350,8 @@ class StateSharing:
     async def _serve_chunks(self, request: StateRequest, stream) -> None:
         snapshot = next((s for s in self._snapshots if s.manifest.snapshot_id == request.snapshot_id), None)
         if snapshot is None:
-            reply = StateReply(ReplyStatus.UNKNOWN_SNAPSHOT, "that snapshot was dropped; ask for a new manifest")
+            detail = "that snapshot was dropped; ask for a new manifest"
+            reply = StateReply(ReplyStatus.UNKNOWN_SNAPSHOT, detail)
             await rpc.write_frame(stream, reply.encode())
             return
         if any(index >= len(snapshot.chunks) for index in request.chunks):
@@ -367,7 +381,8 @@ class StateSharing:
         self._drop_idle(now)
         if self._snapshots:
             newest = self._snapshots[-1]
-            if now - newest.created <= self.snapshot_max_age or len(self._snapshots) >= MAX_SNAPSHOTS:
+            fresh = now - newest.created <= self.snapshot_max_age and newest.version == self._version
+            if fresh or len(self._snapshots) >= MAX_SNAPSHOTS:
                 newest.last_used = now
                 return newest
         if self._building is None:
@@ -379,14 +394,17 @@ class StateSharing:
     async def _build_snapshot(self) -> _Snapshot:
         try:
             # the consistency point: state and private copies are taken with no await in between
-            state = self.get_current_state()
-            metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
-            copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
+            version = self._version
+            with self.state_lock:
+                state = self.get_current_state()
+                metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
+                copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
             manifest, chunks = await asyncio.to_thread(
                 _serialize_snapshot, metadata, copies, list(infos), self.state_compression, self.chunk_size)
             del copies
             now = self._loop.time()
-            snapshot = _Snapshot(manifest, StateReply(ReplyStatus.OK, manifest=manifest).encode(), chunks, now, now)
+            reply = StateReply(ReplyStatus.OK, manifest=manifest).encode()
+            snapshot = _Snapshot(manifest, reply, chunks, now, now, version)
             self._snapshots.append(snapshot)
             self.snapshots_taken += 1
             self._schedule_sweep()
@@ -615,12 +633,13 @@ class _Download:
         return reply, stream
 
     async def fetch_manifest(self, donor: Donor) -> tuple[StateManifest, Any]:
-        reply, stream = await self._request(donor, StateRequest(self.prefix, RequestKind.MANIFEST), MAX_REPLY_SIZE)
+        request = StateRequest(self.prefix, RequestKind.MANIFEST)
+        reply, stream = await self._request(donor, request, MAX_REPLY_SIZE)
         stream.reset()  # everything we need has arrived
         if reply.manifest is None:
             raise _DonorFailed("answered a manifest request without a manifest")
         try:
-            metadata = MSGPackSerializer.loads(reply.manifest.metadata, max_size=len(reply.manifest.metadata) + 1)
+            metadata = MSGPackSerializer.loads(reply.manifest.metadata, max_size=MAX_METADATA_SIZE)
         except SerializationError as error:
             raise _DonorFailed(f"sent metadata that does not unpack: {error}") from None
         return reply.manifest, metadata
@@ -692,7 +711,7 @@ class _Download:
 
     async def attempt(self, donors: list[Donor]) -> tuple[Any, list[torch.Tensor]] | None:
         """Download from the best donors that answer; None if they could not deliver every chunk."""
-        candidates = [d for d in donors if d.peer_id not in self.failures and d.peer_id not in self.not_sharing]
+        candidates = [d for d in donors if self.may_ask(d)]
         manifests = {self.loop.create_task(self.fetch_manifest(d)): d for d in candidates[: self.max_donors]}
         workers: set[asyncio.Task] = set()
         try:
@@ -708,9 +727,9 @@ class _Download:
                 return None
             donor, manifest, metadata = reference
             board = self.board = _ChunkBoard(manifest, self.have)
-            logger.info(f"downloading state {self.prefix!r} from {donor.peer_id} (priority {donor.priority}): "
-                        f"{manifest.total_bytes / 2**20:.1f} MiB in {manifest.num_chunks} chunks, "
-                        f"{len(self.have)} already in hand")
+            logger.info(f"downloading state {self.prefix!r} from {donor.peer_id} "
+                        f"(priority {donor.priority}): {manifest.total_bytes / 2**20:.1f} MiB "
+                        f"in {manifest.num_chunks} chunks, {len(self.have)} already in hand")
             workers.add(self.loop.create_task(self.worker(donor, manifest, board)))
             pending = set(manifests) | workers
             while not board.complete and pending:
@@ -739,6 +758,9 @@ class _Download:
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
+
+    def may_ask(self, donor: Donor) -> bool:
+        return donor.peer_id not in self.failures and donor.peer_id not in self.not_sharing
 
     def summary(self) -> str:
         reasons = {**self.notes, **self.failures}
@@ -783,14 +805,14 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
             for attempts in range(1, max_attempts + 1):
                 donors = await find_donors(dht_node, prefix, exclude=host.peer_id, min_priority=min_priority,
                                            rng=download.rng)
-                if not any(d.peer_id not in download.failures and d.peer_id not in download.not_sharing
-                           for d in donors):
+                if not any(download.may_ask(donor) for donor in donors):
                     break
                 result = await download.attempt(donors)
                 if result is not None:
                     elapsed = loop.time() - started
                     served = ", ".join(f"{peer.short()}: {n}" for peer, n in download.served.items())
-                    logger.info(f"loaded state {prefix!r} in {elapsed:.2f} s (chunks per donor: {served or 'none'})")
+                    logger.info(f"loaded state {prefix!r} in {elapsed:.2f} s "
+                                f"(chunks per donor: {served or 'none'})")
                     return result
     except TimeoutError:
         board = download.board

@@ -143,7 +143,7 @@ class ConnectionHandler:
         return inputs + backend.schema.outputs_schema if backward else inputs
 
     @staticmethod
-    def _describe(backend: ModuleBackend, backward: bool, index: int) -> str:
+    def _describe(backend: ModuleBackend, index: int) -> str:
         n_inputs = len(backend.schema.inputs_schema)
         if index < n_inputs:
             return f"input {index}"
@@ -155,7 +155,7 @@ class ConnectionHandler:
         if index >= len(expected):
             raise ExpertRequestError(f"expert {backend.name!r} takes {len(expected)} tensors for "
                                      f"{'backward' if backward else 'forward'}, got more")
-        what = f"expert {backend.name!r}: {self._describe(backend, backward, index)}"
+        what = f"expert {backend.name!r}: {self._describe(backend, index)}"
         problem = expected[index].mismatch(tuple(shape), dtype)
         if problem is not None:
             raise ExpertRequestError(f"{what} has {problem}")

@@ -85,7 +85,8 @@ class Server:
     # --- life cycle ---------------------------------------------------------------------------------
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = START_TIMEOUT) -> None:
-        """Start serving (the work runs on the compute thread and the background loop; this returns)."""
+        """Start serving and return once ready (hivemind's name; the work runs on the compute thread and
+        the background loop, so there is no thread of the server's own to wait for)."""
         self.start(timeout)
 
     def start(self, timeout: float | None = START_TIMEOUT) -> None:

@@ -10,13 +10,16 @@ serves `STATE_PROTOCOL` through one handler per host that dispatches by prefix.
 
 A MANIFEST request gets a *snapshot*: `get_current_state()` is called on the event loop and its
 tensors are copied with torch ops before anything else can run on the loop, so an averaging
-round that changes the tensors later (in place, on the loop) never leaks into it. No lock is
-held across an await. Serializing (with `state_compression`) and hashing the copy happens in a
-worker thread. A snapshot younger than `snapshot_max_age` is reused, and concurrent requests
-share one being built, so a crowd of newcomers costs one snapshot. At most `MAX_SNAPSHOTS`
-are kept; one nobody has fetched from for `snapshot_retention` seconds is dropped, and a newer
-one is never built by evicting one still in use (the newest is served instead, a little stale).
-At most `max_concurrent_uploads` CHUNKS requests are served at once; more get BUSY.
+round that changes the tensors later (in place, on the loop) never leaks into it; a training
+thread that changes them is kept out by `state_lock`, held for the call and the copies only.
+No lock is held across an await, so donors keep serving while they average. Serializing (with
+`state_compression`) and hashing the copy happens in a worker thread. A snapshot younger than
+`snapshot_max_age` is reused unless the priority (the epoch) changed since, and concurrent
+requests share one being built, so a crowd of newcomers costs one snapshot. At most
+`MAX_SNAPSHOTS` are kept; one nobody has fetched from for `snapshot_retention` seconds is
+dropped, and a newer one is never built by evicting one still in use (the newest is served
+instead, a little stale). At most `max_concurrent_uploads` CHUNKS requests are served at once;
+more get BUSY, and the newcomer backs off or fetches elsewhere.
 
 Newcomers. `load_state_from_peers` reads the dictionary (latest), orders donors by priority
 (ties at random), asks up to `max_donors` of them for manifests at once and takes the manifest
@@ -262,6 +265,8 @@ class StateSharing:
             self._allow_sharing = False
             await self._declare(timeout=min(self.declare_period, SHUTDOWN_DECLARE_TIMEOUT))
         _StateService.unregister(self.host, self)
+        if self._building is not None:
+            self._building.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
         self._snapshots.clear()

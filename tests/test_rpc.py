@@ -116,6 +116,8 @@ def test_timeout_bounds_the_call_and_limits_hold():
             await rpc.call(a, b.peer_id, "/test/stuck/1.0.0", b"x", timeout=0.2)
         with pytest.raises(rpc.RPCError, match="exceeds the 1024-byte limit"):
             await rpc.call(a, b.peer_id, "/test/echo/1.0.0", b"x" * 2000, timeout=5)
+        with pytest.raises(rpc.RPCError, match="exceeds the 1024-byte limit"):  # larger than the window
+            await rpc.call(a, b.peer_id, "/test/echo/1.0.0", b"x" * (5 << 20), timeout=5)
         with pytest.raises(rpc.RPCProtocolError, match="exceeds"):
             rpc.add_handler(b, "/test/big/1.0.0", lambda r, c: _big())
             await rpc.call(a, b.peer_id, "/test/big/1.0.0", b"", timeout=5, max_message_size=1000)

@@ -134,6 +134,9 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
                 logger.debug(f"{protocol} handler failed for {context.remote_peer}: {error!r}", exc_info=True)
             message = str(error) or type(error).__name__
             await write_frame(stream, message.encode()[:MAX_ERROR_SIZE], ERROR)
+            if isinstance(error, RPCProtocolError):  # unread input remains: end the stream, error first
+                stream.reset()
+                return
         await stream.close()
 
     host.set_stream_handler(protocol, serve)
@@ -145,8 +148,11 @@ async def call(host: Host, peer: PeerID, protocol: str, request, response_type=b
     async with asyncio.timeout(timeout):
         stream = await host.new_stream(peer, protocol, lazy=True)
         try:
-            await write_frame(stream, request)
-            await stream.close()
+            try:
+                await write_frame(stream, request)
+                await stream.close()
+            except StreamError:
+                pass  # the handler may have refused the request already: its reply says why
             responses = _read_messages(stream, response_type, max_message_size, peer)
             response = await anext(responses, None)
             if response is None:

@@ -48,6 +48,8 @@ class BackgroundLoop:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine itself raised TimeoutError: pass it on unchanged
+                raise
             future.cancel()
             raise TimeoutError(f"the operation did not finish within {timeout} s") from None
 

@@ -101,3 +101,22 @@ def test_plexus_dht_command_prints_initial_peers_and_stops_on_sigterm():
     finally:
         process.kill()
         process.wait()
+
+
+def test_peers_found_through_the_dht_can_be_dialed_by_id_alone():
+    first = DHT(start=True, host_maddrs=LOCAL)
+    chain = [first]
+    for _ in range(6):  # each peer only knows the previous one at first
+        chain.append(DHT(initial_peers=chain[-1].get_visible_maddrs(), start=True, host_maddrs=LOCAL))
+    try:
+        last, target = chain[-1], chain[1]
+
+        async def ping_by_id(dht, node):
+            await dht.host.disconnect(target.peer_id)
+            dht.host._peers.pop(target.peer_id, None)  # forget its address: only the DHT can tell
+            return await dht.host.ping(target.peer_id, timeout=10)
+
+        assert last.run_coroutine(ping_by_id) < 5
+    finally:
+        for peer in chain:
+            peer.shutdown()

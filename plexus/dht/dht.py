@@ -21,6 +21,7 @@ from ..utils.logging import get_logger
 from ..utils.timed_storage import ValueWithExpiration
 from .node import DHTBootstrapError, DHTNode
 from .p2p_transport import HostDHTTransport
+from .routing import DHTID
 from .validation import CompositeValidator, RecordValidatorBase
 
 logger = get_logger(__name__)
@@ -76,12 +77,14 @@ class DHT:
         try:
             initial_peer_ids = await self._connect_to_initial_peers()
             self.node = await DHTNode.create(
+                node_id=DHTID.generate(source=self.peer_id.to_bytes()),
                 initial_peers=initial_peer_ids, rpc=HostDHTTransport(self.host), client_mode=self.client_mode,
                 record_validator=self._record_validator, num_workers=self.num_workers, **self._node_options,
             )
         except BaseException:
             await self.host.shutdown()
             raise
+        self.host.peer_router = self._find_peer
         logger.debug(f"DHT peer {self.peer_id} is ready")
 
     async def _connect_to_initial_peers(self) -> list[PeerID]:
@@ -97,6 +100,11 @@ class DHT:
             raise DHTBootstrapError(f"could not reach any initial peer (tried {reasons}). "
                                     f"Are the addresses right and the ports open?")
         return list(dict.fromkeys(connected))
+
+    async def _find_peer(self, peer_id: PeerID) -> None:
+        """Peer routing: node ids are hashes of peer ids, so a lookup of that id reaches the peer
+        itself or its neighbours, and their answers carry its addresses into our host."""
+        await self.node.find_nearest_nodes([DHTID.generate(source=peer_id.to_bytes())], exclude_self=True)
 
     async def _dial(self, addr: Multiaddr, timeout: float) -> PeerID:
         connection = await self.host.connect(addr, timeout=timeout)

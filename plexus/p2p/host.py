@@ -90,6 +90,8 @@ class Host:
         self._tasks: set[asyncio.Task] = set()
         self._identified: dict[PeerID, asyncio.Event] = {}
         self._running = False
+        self.peer_router: Callable[[PeerID], Awaitable[None]] | None = None
+        """Called to find addresses of a peer we must dial but know no address of (set by the DHT)."""
         self.set_stream_handler(identify.IDENTIFY_PROTOCOL, self._serve_identify)
         self.set_stream_handler(identify.IDENTIFY_PUSH_PROTOCOL, self._serve_identify_push)
         self.set_stream_handler(PING_PROTOCOL, self._serve_ping)
@@ -257,12 +259,20 @@ class Host:
         dial = self._pending_dials.get(peer_id)
         if dial is None:
             dial = self._pending_dials[peer_id] = asyncio.get_running_loop().create_task(self._dial(peer_id, addrs))
-            dial.add_done_callback(lambda _: self._pending_dials.pop(peer_id, None))
+            dial.add_done_callback(lambda task: self._dial_done(peer_id, task))
         async with asyncio.timeout(timeout):
             return await asyncio.shield(dial)
 
+    def _dial_done(self, peer_id: PeerID, dial: asyncio.Task) -> None:
+        self._pending_dials.pop(peer_id, None)
+        if not dial.cancelled():
+            dial.exception()  # mark it retrieved: callers that timed out already left, and asyncio would log it
+
     async def _dial(self, peer_id: PeerID, addrs: list[Multiaddr] | None) -> Connection:
         info = self._peers.get(peer_id)
+        if not addrs and not (info and info.addrs) and self.peer_router is not None:
+            await self.peer_router(peer_id)  # e.g. a DHT lookup that teaches us its addresses
+            info = self._peers.get(peer_id)
         candidates = addrs or (info.addrs if info else [])
         if not candidates:
             raise DialError(f"no known address for peer {peer_id}")

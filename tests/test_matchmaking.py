@@ -40,19 +40,23 @@ def request(expiration=101.0, schema=b"s", key=KEY, gather=b"g", client=False):
 # --- the state machine, without I/O ------------------------------------------------------------
 
 def leader_state(target=4, min_size=2, declared=100.0, client=False):
-    state = MatchmakingState(new_peer_id(), schema_hash=b"s", target_group_size=target, min_group_size=min_size,
-                             client_mode=client)
+    state = MatchmakingState(new_peer_id(), schema_hash=b"s", target_group_size=target,
+                             min_group_size=min_size, client_mode=client)
     state.start(KEY, b"leader")
     state.declare(declared, now=90.0)
     return state
 
 
+def answer(state, peer, join_request, handle="h") -> JoinCode:
+    return state.on_join_request(peer, join_request, 90, handle).join_code
+
+
 def test_admission_checks_each_refusal_in_order():
     state = leader_state(target=3)
     follower = new_peer_id()
-    assert state.on_join_request(follower, request(schema=b"other"), 90, "h").join_code is JoinCode.BAD_SCHEMA_HASH
-    assert state.on_join_request(follower, request(key="test.0b1"), 90, "h").join_code is JoinCode.BAD_GROUP_KEY
-    assert state.on_join_request(follower, request(expiration=99.0), 90, "h").join_code is JoinCode.BAD_EXPIRATION_TIME
+    assert answer(state, follower, request(schema=b"other")) is JoinCode.BAD_SCHEMA_HASH
+    assert answer(state, follower, request(key="test.0b1")) is JoinCode.BAD_GROUP_KEY
+    assert answer(state, follower, request(expiration=99.0)) is JoinCode.BAD_EXPIRATION_TIME
     accepted = state.on_join_request(follower, request(), 90, "h1")
     assert accepted.join_code is JoinCode.ACCEPTED and accepted.time_left == pytest.approx(10.0)
     assert state.on_join_request(follower, request(), 90, "h1").join_code is JoinCode.DUPLICATE_PEER_ID
@@ -74,8 +78,9 @@ def test_admission_checks_each_refusal_in_order():
 def test_equal_times_break_ties_by_peer_id():
     state = leader_state(declared=100.0)
     other = new_peer_id()
-    expected = JoinCode.ACCEPTED if other.to_bytes() > state.peer_id.to_bytes() else JoinCode.BAD_EXPIRATION_TIME
-    assert state.on_join_request(other, request(expiration=100.0), 90, "h").join_code is expected
+    senior = other.to_bytes() < state.peer_id.to_bytes()
+    assert answer(state, other, request(expiration=100.0)) is (
+        JoinCode.BAD_EXPIRATION_TIME if senior else JoinCode.ACCEPTED)
 
 
 def test_assembles_when_full_or_at_its_time_with_enough_peers():
@@ -90,7 +95,7 @@ def test_assembles_when_full_or_at_its_time_with_enough_peers():
     begin = notices[0][1]
     assert begin.join_code is JoinCode.BEGIN_ALLREDUCE and begin.group_id == b"id"
     assert [p.to_bytes() for p in group.peer_ids] == list(begin.peer_ids) and group.gathered == begin.gathered
-    assert state.on_join_request(new_peer_id(), request(), 90, "c").join_code is JoinCode.NOT_LOOKING_FOR_GROUP
+    assert answer(state, new_peer_id(), request()) is JoinCode.NOT_LOOKING_FOR_GROUP
 
 
 def test_redeclaring_tells_followers_the_new_wait_and_a_leader_that_follows_redirects():
@@ -127,6 +132,8 @@ def test_candidates_are_more_senior_peers_most_senior_first():
     view = {a: 99.0, b: 98.0, c: 101.0, d: math.inf, state.peer_id: 100.0}
     assert state.candidates(view) == [b, a]
     assert state.candidates(view, skip=lambda peer, t: peer == b) == [a]
+    state.on_join_request(a, request(), 90, "a")
+    assert state.candidates(view) == [b], "our own follower is never our leader, whatever a stale view says"
     client = leader_state(client=True)
     assert client.candidates(view) == [b, a, state.peer_id, c], "a client asks any declared peer"
     assert client.candidates({client.peer_id: 1.0}) == [], "never itself"
@@ -144,8 +151,8 @@ def test_messages_validate_every_field():
         lambda: JoinResponse(int(JoinCode.GROUP_IS_FULL), suggested_leader=b"\x00\x01"),
         lambda: JoinResponse(int(JoinCode.NOT_A_LEADER), suggested_leader=b"junk"),
         lambda: JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"x", peer_ids=(), gathered=()),
-        lambda: JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"", peer_ids=(new_peer_id().to_bytes(),),
-                             gathered=(b"",)),
+        lambda: JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"",
+                             peer_ids=(new_peer_id().to_bytes(),), gathered=(b"",)),
         lambda: JoinResponse(int(JoinCode.GROUP_IS_FULL), group_id=b"x"),
     ]:
         with pytest.raises(ValueError):
@@ -202,7 +209,8 @@ class Swarm:
         async def join(client: bool):
             host = await Host(host_maddrs=() if client else LOCAL).start()
             await host.connect(first_addr)
-            node = await DHTNode.create(initial_peers=[first.peer_id], rpc=HostDHTTransport(host), client_mode=client)
+            node = await DHTNode.create(initial_peers=[first.peer_id], rpc=HostDHTTransport(host),
+                                        client_mode=client)
             return host, node
 
         for host, node in await asyncio.gather(*(join(i >= n - 1) for i in range(n - 1 + clients))):
@@ -216,7 +224,8 @@ class Swarm:
         created = []
         for i in range(len(self.hosts)) if indices is None else indices:
             client = self.nodes[i].client_mode
-            created.append(Matchmaking(self.hosts[i], self.nodes[i], prefix=prefix, client_mode=client, **options))
+            created.append(Matchmaking(self.hosts[i], self.nodes[i], prefix=prefix, client_mode=client,
+                                       **options))
         self.matchmakers.extend(created)
         return created
 
@@ -293,7 +302,8 @@ def test_peers_starting_together_form_exactly_one_group(n):
             assert len(groups) == 1 and groups[0].group_size == n, f"expected one group of {n}, got {groups}"
             leaders = {m.last_leader for m in matchmakers}
             assert len(leaders) == 1 and leaders <= {m.peer_id for m in matchmakers}
-            print(f"\n{n} peers, no target size: one group after {max(times):.3f} s (min_matchmaking_time 1.5 s)")
+            print(f"\n{n} peers, no target size: one group after {max(times):.3f} s "
+                  f"(min_matchmaking_time 1.5 s)")
         finally:
             await swarm.close()
 
@@ -313,8 +323,38 @@ def test_a_full_group_forms_at_once_without_waiting_out_the_clock(n):
                 groups = check_groups(matchmakers, results)
                 assert len(groups) == 1 and groups[0].group_size == n
                 samples.append(max(times))
-            print(f"\n{n} peers, target {n}: group formed in " + ", ".join(f"{t * 1000:.0f} ms" for t in samples))
+            print(f"\n{n} peers, target {n}: group formed in "
+                  + ", ".join(f"{t * 1000:.0f} ms" for t in samples))
             assert min(samples) < 1.0, "a full group must not wait out min_matchmaking_time (5 s)"
+        finally:
+            await swarm.close()
+
+    run(main, 50)
+
+
+@pytest.mark.timeout(60)
+def test_when_all_peers_are_waiting_the_last_arrival_completes_the_group_at_once():
+    async def main():
+        n = 8
+        swarm = await Swarm.create(n)
+        try:
+            matchmakers = swarm.add_matchmakers(target_group_size=n, min_matchmaking_time=5.0)
+            loop = asyncio.get_running_loop()
+            samples = []
+            for _ in range(3):
+                deadline = loop.time() + 10
+                waiting = [loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline))
+                           for m in matchmakers[:-1]]
+                await wait_until(lambda: any(len(m._state.followers) == n - 2 for m in matchmakers), 5)
+                started, last = loop.time(), matchmakers[-1]
+                last = await last.look_for_group(gather=gather_of(last), deadline=deadline)
+                results = await asyncio.gather(*waiting) + [last]
+                samples.append(loop.time() - started)
+                groups = check_groups(matchmakers, results)
+                assert len(groups) == 1 and groups[0].group_size == n
+            print(f"\n{n} peers waiting, the last arrives: everyone has the group after "
+                  + ", ".join(f"{t * 1000:.0f} ms" for t in samples))
+            assert min(samples) < 0.5, "the issue's target is 0.2 s; allow for a loaded 2-core machine"
         finally:
             await swarm.close()
 
@@ -343,9 +383,18 @@ def test_too_few_peers_get_none_at_their_deadline():
     async def main():
         swarm = await Swarm.create(3)
         try:
-            lone, = swarm.add_matchmakers([0], prefix="lone", min_matchmaking_time=0.3)
+            lone, = swarm.add_matchmakers([0], prefix="lone", min_matchmaking_time=0.0, request_timeout=0.3)
+            stores = []
+            original_store = swarm.nodes[0].store
+
+            async def counting_store(*args, **kwargs):
+                stores.append(args)
+                return await original_store(*args, **kwargs)
+
+            swarm.nodes[0].store = counting_store
             results, times = await look([lone], timeout=1.5)
             assert results == [None] and 1.45 <= times[0] < 2.5
+            assert len(stores) <= 1.5 / 0.3 + 2, "re-declarations must be spaced out, even with no min time"
             pair = swarm.add_matchmakers([1, 2], prefix="pair", min_group_size=3, min_matchmaking_time=0.3)
             results, times = await look(pair, timeout=1.5)
             assert results == [None, None] and all(1.45 <= t < 2.5 for t in times)
@@ -381,7 +430,8 @@ def test_followers_of_a_dead_leader_regroup_before_their_deadline():
             matchmakers = swarm.add_matchmakers(min_matchmaking_time=2.0, request_timeout=0.5)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 8
-            tasks = [loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline)) for m in matchmakers]
+            tasks = [loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline))
+                     for m in matchmakers]
             await wait_until(lambda: any(len(m._state.followers) == 4 for m in matchmakers), timeout=5)
             dead = next(i for i, m in enumerate(matchmakers) if len(m._state.followers) == 4)
             tasks[dead].cancel()
@@ -415,7 +465,7 @@ def test_client_mode_peers_join_a_normal_leader_and_never_lead_or_declare():
             assert len(groups) == 1 and groups[0].group_size == 5
             assert {m.last_leader for m in matchmakers} <= normal
             bucket = await swarm.nodes[0].get(KEY, latest=True)
-            assert set(bucket.value) <= {p.to_bytes() for p in normal}, "clients must never declare themselves"
+            assert set(bucket.value) <= {p.to_bytes() for p in normal}, "clients never declare themselves"
             assert max(times) < 2.5
 
             only_clients = [m for m in matchmakers if m.client_mode]
@@ -464,7 +514,8 @@ def test_garbage_join_requests_get_refusals_and_the_leader_keeps_working():
 
             for target in matchmakers:
                 peer = target.peer_id
-                for garbage in [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x95\xa7test.0b\xc4\x01s\xcb" + b"\x00" * 3]:
+                truncated = b"\x95\xa7test.0b\xc4\x01s\xcb" + b"\x00" * 3
+                for garbage in [b"", b"\xc1", b"\x93\x01\x02\x03", truncated]:
                     answer, = await ask(peer, garbage)
                     assert answer.join_code is JoinCode.PROTOCOL_VIOLATION, (garbage, answer)
                 answer, = await ask(peer, request(schema=b"wrong").encode())
@@ -490,7 +541,8 @@ def test_one_host_serves_several_prefixes():
             first = swarm.add_matchmakers(prefix="alpha", target_group_size=3, min_matchmaking_time=3.0)
             second = swarm.add_matchmakers(prefix="beta", target_group_size=3, min_matchmaking_time=3.0)
             with pytest.raises(ValueError, match="already runs matchmaking"):
-                Matchmaking(swarm.hosts[0], swarm.nodes[0], prefix="alpha", schema_hash=b"", target_group_size=2)
+                Matchmaking(swarm.hosts[0], swarm.nodes[0], prefix="alpha", schema_hash=b"",
+                            target_group_size=2)
             (a, _), (b, _) = await asyncio.gather(look(first, timeout=10), look(second, timeout=10))
             assert len(check_groups(first, a)) == 1 and len(check_groups(second, b)) == 1
             assert a[0].group_id != b[0].group_id

@@ -4,11 +4,12 @@ Theory of operation (the decisions live in `matchmaking_state.py`; this is the a
 
 `look_for_group(gather=..., deadline=...)` runs one round:
 1. Declare: store `True` under `{prefix}.0b{bits}`, subkey = our peer id, expiring at our declared
-   time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock).
+   time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock),
+   and never sooner than now + request_timeout (followers need that long to reach us).
    Client-mode peers never declare and never lead.
-2. Read the bucket with `get(latest=True)` right away and again while we look (every 50 ms at first,
-   backing off to about a second while nothing changes, and at once after losing a leader), so
-   peers that started together soon see the same declarations.
+2. Read the bucket with `get(latest=True)` as soon as our declaration has landed (peers that
+   started with us have then likely landed too), and again while we look: after 50 ms, doubling
+   to about a second while nothing changes, and at once after losing a leader.
 3. Ask the most senior peer we see (smallest (T, peer id), only peers more senior than us) to take
    us in; follow redirects (NOT_A_LEADER / GROUP_DISBANDED name the leader to try next), skip
    peers that refused us until they declare anew. Meanwhile we accept less senior peers ourselves.
@@ -100,14 +101,15 @@ class Matchmaking:
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.min_matchmaking_time, self.request_timeout = min_matchmaking_time, request_timeout
         self.client_mode, self._clock = client_mode, clock
-        self._state = MatchmakingState(self.peer_id, schema_hash=schema_hash, target_group_size=target_group_size,
-                                       min_group_size=min_group_size, client_mode=client_mode)
+        self._state = MatchmakingState(self.peer_id, schema_hash=schema_hash, client_mode=client_mode,
+                                       target_group_size=target_group_size, min_group_size=min_group_size)
         self._rng = random.SystemRandom()
         self._max_poll_interval = min(1.0, max(0.1, min_matchmaking_time / 5))
         self._running = False
         self._wakeup = self._poll_now = None  # asyncio.Events of the current round
         self._view: dict[PeerID, float] = {}
-        self._stored_until: float | None = None  # the latest declared time the DHT accepted this round
+        self._declared_until: float | None = None  # the latest time we declared this round
+        self._stores: set[asyncio.Task] = set()  # this round's declarations still being stored
         self._refused: dict[PeerID, tuple[float, float]] = {}
         self._tasks: set[asyncio.Task] = set()
         self.last_leader: PeerID | None = None
@@ -169,11 +171,11 @@ class Matchmaking:
         self._running, group, key = True, None, self.group_key
         self._state.start(key, bytes(gather))
         self._wakeup, self._poll_now = asyncio.Event(), asyncio.Event()
-        self._view, self._refused, self._stored_until = {}, {}, None
+        self._view, self._refused, self._declared_until = {}, {}, None
         poller = None
         try:
-            if not self.client_mode:
-                await self._declare(key, deadline, scheduled_time)
+            if not self.client_mode:  # the store runs while we read the bucket and ask leaders
+                self._declare(key, deadline, scheduled_time, self.min_matchmaking_time)
             poller = loop.create_task(self._poll(key))
             group = await self._match(key, deadline)
             return group
@@ -183,11 +185,13 @@ class Matchmaking:
             if poller is not None:
                 poller.cancel()
                 await asyncio.gather(poller, return_exceptions=True)
-            if self._stored_until is not None:
-                self._spawn(self._withdraw(key, self._stored_until))
+            if self._declared_until is not None:
+                self._spawn(self._withdraw(key, self._declared_until, self._stores))
+            self._stores = set()
             if group is not None:
                 self.last_leader = self._state.leader
-                self._group_bits = next_group_bits(self._group_bits, group, self.peer_id, self.target_group_size)
+                self._group_bits = next_group_bits(self._group_bits, group, self.peer_id,
+                                                   self.target_group_size)
             self._running = False
 
     async def _match(self, key: str, deadline: float) -> GroupInfo | None:
@@ -201,7 +205,7 @@ class Matchmaking:
             if self._state.should_assemble(self._clock()):
                 return self._assemble()
             if self._own_time_passed() and not self._state.should_assemble(self._clock()):
-                if await self._extend(key, deadline):
+                if self._extend(key, deadline):
                     continue
             leader = suggestion if suggestion is not None else next(iter(self._candidates()), None)
             suggestion = None
@@ -228,57 +232,85 @@ class Matchmaking:
 
     # --- the DHT ------------------------------------------------------------------------------
 
-    def _declared_time(self, deadline: float, scheduled_time: float | None) -> float:
+    def _declared_time(self, deadline: float, scheduled_time: float | None, wait: float) -> float:
+        """T = max(now + wait, scheduled_time), capped at the deadline; `wait` is at least one
+        request_timeout, or followers could not reach us in time (and with no wait at all the
+        DHT would refuse a record that expires as it is stored)."""
         now = self._clock()
         latest = now + max(0.0, deadline - asyncio.get_running_loop().time())
-        wanted = now + self.min_matchmaking_time
+        wanted = now + max(wait, self.request_timeout)
         if scheduled_time is not None:
             wanted = max(wanted, scheduled_time)
         return min(wanted, latest)
 
-    async def _declare(self, key: str, deadline: float, scheduled_time: float | None) -> None:
-        """Declare (or move) our time T. Followers hear the new wait before the store, not after it."""
-        expiration = self._declared_time(deadline, scheduled_time)
+    def _declare(self, key: str, deadline: float, scheduled_time: float | None, wait: float) -> None:
+        """Declare (or move) our time T at once; the DHT store follows in the background.
+
+        Followers hear the new wait right away, and we may lead before the store lands (nobody
+        can find us until then, but we can find others)."""
+        expiration = self._declared_time(deadline, scheduled_time, wait)
         self._deliver(self._state.declare(expiration, self._clock()))
+        self._declared_until = max(self._declared_until or expiration, expiration)
+        self._wakeup.set()
+        task = self._spawn(self._store_declaration(key, expiration, self._poll_now))
+        self._stores.add(task)
+        task.add_done_callback(self._stores.discard)
+
+    async def _store_declaration(self, key: str, expiration: float, poll_now: asyncio.Event) -> None:
         try:
             async with asyncio.timeout(self.request_timeout):
                 stored = await self.dht_node.store(key, True, expiration, subkey=self.peer_id.to_bytes())
         except (TimeoutError, OSError) as error:
             logger.debug(f"{self.peer_id.short()} could not declare itself under {key}: {error!r}")
             stored = False
-        if stored:
-            self._stored_until = max(self._stored_until or expiration, expiration)
-        elif self._state.phase is Phase.LOOKING:  # nobody can see us, so nobody would lead us correctly
+        poll_now.set()  # others who started with us have likely landed too: look now
+        if not stored and self._state.phase is Phase.LOOKING and self._state.declared == expiration:
+            # nobody can see us, so nobody would ask us to lead; we join others instead
             logger.debug(f"{self.peer_id.short()}: declaration under {key} not stored; joining others only")
             self._deliver(self._state.declare(None, self._clock()))
-        self._wakeup.set()
+            self._wakeup.set()
 
-    async def _extend(self, key: str, deadline: float) -> bool:
+    def _extend(self, key: str, deadline: float) -> bool:
         """Our time came without enough peers: declare a later time if the deadline allows."""
-        old = self._state.declared
-        new = self._declared_time(deadline, None)
+        wait = self.min_matchmaking_time  # at least request_timeout, so never a tight loop
+        old, new = self._state.declared, self._declared_time(deadline, None, wait)
         if old is not None and new <= old + 1e-3:
             return False
         logger.debug(f"{self._state!r}: not enough peers by our declared time, declaring a later one")
-        await self._declare(key, deadline, None)
+        self._declare(key, deadline, None, wait)
         return True
 
-    async def _withdraw(self, key: str, expiration: float) -> None:
+    async def _withdraw(self, key: str, expiration: float, stores: set[asyncio.Task]) -> None:
+        """Store False just after our last declared time (once our own stores have landed)."""
         try:
-            async with asyncio.timeout(self.request_timeout):
+            async with asyncio.timeout(2 * self.request_timeout):
+                if stores:
+                    await asyncio.wait(stores)
                 await self.dht_node.store(key, False, math.nextafter(expiration, math.inf),
                                           subkey=self.peer_id.to_bytes())
         except (TimeoutError, OSError) as error:
             logger.debug(f"{self.peer_id.short()} could not withdraw from {key}: {error!r}")
 
     async def _poll(self, key: str) -> None:
-        """Keep `self._view` ({peer: declared time}) fresh; wake the matcher when it changes."""
+        """Keep `self._view` ({peer: declared time}) fresh; wake the matcher when it changes.
+
+        The first read waits for our own declaration to land (peers that started with us have
+        likely landed by then too), later ones come at intervals that double from
+        FIRST_POLL_INTERVAL up to `_max_poll_interval` while nothing changes, and at once after
+        we lose a leader. Every read is a beam search: polling faster only loads the replicas."""
         interval = FIRST_POLL_INTERVAL
+        if self._stores:
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    await self._poll_now.wait()
+            except TimeoutError:
+                pass
         while True:
             self._poll_now.clear()
             if self._state.phase is not Phase.FOLLOWING:
                 view = await self._read_bucket(key)
                 if view is not None and view != self._view:
+                    logger.debug(f"{self.peer_id.short()} sees {len(view)} declared peers under {key}")
                     self._view, interval = view, FIRST_POLL_INTERVAL
                     self._wakeup.set()
                 else:
@@ -350,14 +382,15 @@ class Matchmaking:
                 while not reader.done():  # wait for the answer unless our own group becomes ready first
                     self._wakeup.clear()
                     if self._state.should_assemble(self._clock()):
-                        logger.debug(f"{self._state!r}: ready to assemble, dropping the request to {leader.short()}")
+                        logger.debug(f"{self._state!r}: ready to assemble; no longer asking {leader.short()}")
                         _close(stream, reader)
                         return None
                     waker = loop.create_task(self._wakeup.wait())
                     timer = self._own_timer()
+                    timeout = None if timer == math.inf else max(0.0, timer - loop.time())
                     try:
-                        await asyncio.wait({reader, waker}, return_when=asyncio.FIRST_COMPLETED,
-                                           timeout=None if timer == math.inf else max(0.0, timer - loop.time()))
+                        await asyncio.wait({reader, waker}, timeout=timeout,
+                                           return_when=asyncio.FIRST_COMPLETED)
                     finally:
                         waker.cancel()
                 first = reader.result()
@@ -377,7 +410,8 @@ class Matchmaking:
         self._deliver(self._state.on_accepted(leader))
         return await self._follow(leader, stream, first.time_left, deadline)
 
-    async def _follow(self, leader: PeerID, stream, time_left: float, deadline: float) -> GroupInfo | PeerID | None:
+    async def _follow(self, leader: PeerID, stream, time_left: float,
+                      deadline: float) -> GroupInfo | PeerID | None:
         """Wait for our leader's BEGIN; on any trouble go back to looking."""
         loop = asyncio.get_running_loop()
         wait_until = loop.time() + time_left + self.request_timeout
@@ -404,7 +438,7 @@ class Matchmaking:
             stream.reset()
             raise
         except Exception as error:
-            reason = f"{error!r}" if not isinstance(error, TimeoutError) else "timed out waiting for the group"
+            reason = "timed out waiting for the group" if isinstance(error, TimeoutError) else f"{error!r}"
             if isinstance(error, LeaderProtocolError):
                 logger.warning(f"{self.peer_id.short()}: leader {leader.short()} misbehaved: {error}")
         stream.reset()
@@ -452,10 +486,11 @@ class Matchmaking:
         for mailbox, response in notices:
             mailbox.post(response)
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def __repr__(self) -> str:
         return f"<Matchmaking {self.prefix} {self._state!r}>"

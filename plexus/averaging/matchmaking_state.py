@@ -162,7 +162,7 @@ class MatchmakingState:
         if self.declared is None:
             return JoinResponse.refusal(JoinCode.NOT_DECLARED, "I have not declared myself yet")
         if request.expiration is not None and (request.expiration, peer.to_bytes()) <= self.key:
-            return JoinResponse.refusal(JoinCode.BAD_EXPIRATION_TIME, "you declared before me: you should lead")
+            return JoinResponse.refusal(JoinCode.BAD_EXPIRATION_TIME, "you declared before me: you lead")
         if peer == self.peer_id or peer in self._followers:
             return JoinResponse.refusal(JoinCode.DUPLICATE_PEER_ID, "you are already in my group")
         if self.is_full:
@@ -180,15 +180,16 @@ class MatchmakingState:
 
     # --- our requests to leaders --------------------------------------------------------------
 
-    def candidates(self, view: Mapping[PeerID, float], skip: Callable[[PeerID, float], bool] = lambda p, t: False
-                   ) -> list[PeerID]:
+    def candidates(self, view: Mapping[PeerID, float],
+                   skip: Callable[[PeerID, float], bool] = lambda peer, declared: False) -> list[PeerID]:
         """Peers in `view` ({peer: declared time}) we may ask, most senior first.
 
         A declared peer asks only more senior peers; a client or undeclared peer may ask anyone.
+        Our own followers are never candidates (a stale view may still show them as senior).
         `skip(peer, declared)` lets the driver leave out peers that already refused us."""
         own = self.key
         ranked = sorted((declared, peer.to_bytes(), peer) for peer, declared in view.items()
-                        if peer != self.peer_id and math.isfinite(declared))
+                        if peer != self.peer_id and peer not in self._followers and math.isfinite(declared))
         return [peer for declared, raw, peer in ranked
                 if (own is None or (declared, raw) < own) and not skip(peer, declared)]
 
@@ -203,10 +204,11 @@ class MatchmakingState:
         """Our leader assembled; check the group includes both of us and take it."""
         self._require(Phase.FOLLOWING)
         if leader != self.leader or response.join_code is not JoinCode.BEGIN_ALLREDUCE:
-            raise MatchmakingStateError(f"on_begin for {leader} with {response!r} while following {self.leader}")
+            raise MatchmakingStateError(f"on_begin for {leader} with {response!r}; we follow {self.leader}")
         peers = tuple(PeerID(raw) for raw in response.peer_ids)
         if self.peer_id not in peers or leader not in peers:
-            raise LeaderProtocolError(f"leader {leader} sent a group without {'us' if self.peer_id not in peers else 'itself'}")
+            missing = "us" if self.peer_id not in peers else "itself"
+            raise LeaderProtocolError(f"leader {leader} sent a group without {missing}")
         group = GroupInfo(response.group_id, peers, tuple(response.gathered))
         self.phase = Phase.ASSEMBLED
         return group

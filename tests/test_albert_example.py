@@ -27,7 +27,7 @@ import data  # noqa: E402
 import model as albert_model  # noqa: E402
 import tokenize_corpus  # noqa: E402
 
-SCRIPTS = ["make_demo_corpus.py", "tokenize_corpus.py", "train_local.py"]
+SCRIPTS = ["make_demo_corpus.py", "tokenize_corpus.py", "train_local.py", "run_trainer.py"]
 
 
 def run_script(name: str, *args: str, cwd: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -220,6 +220,22 @@ def test_train_local_runs_and_reports_losses(tokenized, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "step     3 | mlm" in result.stdout
     assert os.path.exists(tmp_path / "model" / "config.json") and os.path.exists(tmp_path / "model" / "tokenizer.json")
+
+
+@pytest.mark.timeout(90)
+def test_run_trainer_local_mode_trains_and_logs_mlm_separately(tokenized, tmp_path):
+    pytest.importorskip("accelerate")
+    result = run_script("run_trainer.py", "--local", "--dataset_path", tokenized, "--max_steps", "2",
+                        "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "1000",
+                        "--output_dir", str(tmp_path / "outputs"), "--logging_dir", str(tmp_path / "logs"),
+                        "--disable_tqdm", "true", cwd=str(tmp_path), timeout=80)
+    assert result.returncode == 0, result.stderr
+    logs = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert [entry["step"] for entry in logs if "mlm_loss" in entry] == [1, 2]
+    assert all(entry["mlm_loss"] > 0 and entry["sop_loss"] > 0 for entry in logs if "mlm_loss" in entry)
+
+    result = run_script("run_trainer.py", "--dataset_path", tokenized, cwd=str(tmp_path), timeout=80)
+    assert result.returncode != 0 and "--local" in result.stderr  # the swarm optimizer is not there yet
 
 
 @pytest.mark.timeout(60)

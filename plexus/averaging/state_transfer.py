@@ -284,6 +284,10 @@ class StateSharing:
             self._version += 1
             self._wake()
 
+    def state_changed(self) -> None:
+        """The shared state changed (e.g. a round was applied): later requests get a new snapshot."""
+        self._version += 1
+
     @property
     def allow_sharing(self) -> bool:
         return self._allow_sharing

@@ -1,0 +1,304 @@
+"""`DecentralizedAverager`: average tensors with whoever is looking for a group at the same time.
+
+One step is: matchmaking through the DHT (`matchmaking.py`) forms a group, the members' gathered
+data decide how the vector is split (`load_balancing.py`, by bandwidth), and a butterfly
+all-reduce (`allreduce.py`) averages it. The all-reduce works on a private copy of the tensors,
+taken and written back under the tensors' lock in two short critical sections, so the lock is
+never held across a round: state downloads (`state_transfer.py`) and the training thread see
+either the state before a round or the state after it, never a half-averaged mix.
+
+Everything runs on the DHT's event loop; `step`, `load_state_from_peers` and friends are thread-
+safe, blocking calls (or return futures), as in hivemind.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import threading
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..compression import CompressionBase, CompressionInfo, NoCompression
+from ..dht.dht import DHT
+from ..p2p.host import Host
+from ..p2p.identity import PeerID
+from ..utils.logging import get_logger
+from ..utils.serializer import MSGPackSerializer
+from ..utils.timing import get_dht_time
+from .allreduce import DEFAULT_PART_SIZE_BYTES, AllReduceRouter, AllReduceRunner, AveragingMode
+from .control import AveragingStage, StepControl
+from .load_balancing import load_balance_peers
+from .matchmaking import Matchmaking
+from .state_transfer import StateSharing, load_state_from_peers
+
+logger = get_logger(__name__)
+
+DEFAULT_STEP_TIMEOUT = 60.0
+_routers: "weakref.WeakKeyDictionary[Host, AllReduceRouter]" = weakref.WeakKeyDictionary()
+
+
+class AveragingError(Exception):
+    """An averaging step failed (no group in time, or the round broke); the message says which."""
+
+
+class DecentralizedAverager:
+    """Averages `averaged_tensors` with other peers under the same `prefix`.
+
+    Args (hivemind's names): `target_group_size`/`min_group_size` bound groups;
+    `min_matchmaking_time` is how long a peer waits for others before assembling;
+    `request_timeout` bounds each matchmaking exchange; `part_size_bytes` sizes all-reduce parts;
+    `sender_timeout` (default `next_chunk_timeout`, else 10 s) and `reducer_timeout` (default twice
+    that) cut off stalled peers; `allreduce_timeout` bounds a whole round; `bandwidth` weighs how
+    much of the vector this peer reduces; `auxiliary` peers only reduce; client-mode peers only send.
+    """
+
+    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, start: bool = False,
+                 prefix: str, target_group_size: int | None = None, min_group_size: int = 2,
+                 initial_group_bits: str = "", min_matchmaking_time: float = 5.0, request_timeout: float = 3.0,
+                 averaging_alpha: float = 1.0, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+                 allreduce_timeout: float | None = None, next_chunk_timeout: float | None = None,
+                 sender_timeout: float | None = None, reducer_timeout: float | None = None,
+                 compression: CompressionBase = NoCompression(), state_compression: CompressionBase = NoCompression(),
+                 tensor_infos: Sequence[CompressionInfo] | None = None, bandwidth: float | None = None,
+                 min_vector_size: int = 0, auxiliary: bool = False, allow_state_sharing: bool | None = None,
+                 declare_state_period: float = 30, client_mode: bool | None = None, shutdown_timeout: float = 5):
+        if "." in prefix:
+            raise ValueError(f"prefix must not contain '.', got {prefix!r}")
+        self.dht, self.prefix = dht, prefix
+        self.client_mode = dht.client_mode if client_mode is None else client_mode
+        if auxiliary and self.client_mode:
+            raise ValueError("an auxiliary peer reduces parts for others, so it cannot be in client mode")
+        self.mode = AveragingMode.CLIENT if self.client_mode else AveragingMode.AUX if auxiliary else AveragingMode.NODE
+        self._tensors = [tensor.detach().cpu().clone().contiguous() for tensor in averaged_tensors]
+        for tensor in self._tensors:
+            if not tensor.is_floating_point():
+                raise ValueError(f"only floating-point tensors can be averaged, got {tensor.dtype}")
+        self._work = [torch.empty_like(tensor) for tensor in self._tensors]
+        self._lock = threading.Lock()
+        self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
+            CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]
+        self.target_group_size, self.min_group_size = target_group_size, min_group_size
+        self.initial_group_bits, self.min_matchmaking_time = initial_group_bits, min_matchmaking_time
+        self.request_timeout, self.averaging_alpha, self.part_size_bytes = request_timeout, averaging_alpha, part_size_bytes
+        self.sender_timeout = sender_timeout or next_chunk_timeout or 10.0
+        self.reducer_timeout = reducer_timeout or 2 * self.sender_timeout
+        self.allreduce_timeout = allreduce_timeout
+        self.compression, self.state_compression = compression, state_compression
+        self.bandwidth = 0.0 if self.client_mode else bandwidth
+        self.min_vector_size, self.declare_state_period = min_vector_size, declare_state_period
+        self.shutdown_timeout = shutdown_timeout
+        self._allow_state_sharing = not (self.client_mode or auxiliary) if allow_state_sharing is None else allow_state_sharing
+        self._state_sharing_priority = 0.0
+        self.schema_hash = self._compute_schema_hash()
+        self._background = dht._background
+        self._matchmaking: Matchmaking | None = None
+        self._state_sharing: StateSharing | None = None
+        self._ready: Any = None
+        if start:
+            self.run_in_background()
+
+    def _compute_schema_hash(self) -> bytes:
+        """Peers average together only if they cut the vector into the same parts."""
+        schema = [(tuple(t.shape), str(t.dtype)) for t in self._tensors]
+        return hashlib.sha256(repr((schema, self.part_size_bytes, type(self.compression).__name__)).encode()).digest()
+
+    # --- life cycle --------------------------------------------------------------------------------
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        if self._ready is None:
+            self.dht.wait_until_ready()
+            self._ready = self._background.submit(self._start())
+        if await_ready:
+            self._ready.result(timeout)
+
+    async def _start(self) -> None:
+        host, node = self.dht.host, self.dht.node
+        if host not in _routers:
+            _routers[host] = AllReduceRouter(host)
+        self._matchmaking = Matchmaking(
+            host, node, prefix=self.prefix, schema_hash=self.schema_hash, target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size, initial_group_bits=self.initial_group_bits,
+            min_matchmaking_time=self.min_matchmaking_time, request_timeout=self.request_timeout,
+            client_mode=self.client_mode)
+        self._state_sharing = StateSharing(
+            host, node, self.prefix, self.get_current_state, state_lock=self._lock,
+            state_compression=self.state_compression, declare_period=self.declare_state_period,
+            priority=self._state_sharing_priority, allow_sharing=self._allow_state_sharing,
+            client_mode=self.client_mode)
+        await self._state_sharing.start()
+
+    def is_alive(self) -> bool:
+        return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    def shutdown(self) -> None:
+        if self._ready is None:
+            return
+        ready, self._ready = self._ready, None
+        if ready.done() and ready.exception() is None:
+            self._background.run(self._shutdown(), timeout=self.shutdown_timeout + 5)
+
+    async def _shutdown(self) -> None:
+        await self._matchmaking.shutdown()
+        await self._state_sharing.shutdown()
+
+    def __enter__(self):
+        self.run_in_background()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.shutdown()
+
+    # --- tensors and state -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def get_tensors(self):
+        """The averaged tensors, locked: change them only inside this block."""
+        with self._lock:
+            yield self._tensors
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
+        """What newcomers download: (metadata, tensors, infos). Subclasses add optimizer state etc.
+
+        Called with the tensors' lock held; return references, the caller copies them."""
+        return dict(group_bits=self.get_group_bits()), self._tensors, self.tensor_infos
+
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
+        """Download (metadata, tensors) from up-to-date peers; None if nobody shares state."""
+        future = self._background.submit(
+            load_state_from_peers(self.dht.host, self.dht.node, self.prefix, timeout=timeout))
+        return future.result() if wait else future
+
+    @property
+    def allow_state_sharing(self) -> bool:
+        return self._allow_state_sharing
+
+    @allow_state_sharing.setter
+    def allow_state_sharing(self, value: bool) -> None:
+        if value and self.client_mode:
+            raise ValueError("a client-mode peer cannot be dialed, so it cannot share state")
+        self._allow_state_sharing = value
+        if self._state_sharing is not None:
+            self._state_sharing.allow_sharing = value
+
+    @property
+    def state_sharing_priority(self) -> float:
+        return self._state_sharing_priority
+
+    @state_sharing_priority.setter
+    def state_sharing_priority(self, value: float) -> None:
+        self._state_sharing_priority = float(value)
+        if self._state_sharing is not None:
+            self._state_sharing.priority = float(value)
+
+    def get_group_bits(self) -> str:
+        return self._matchmaking.group_bits if self._matchmaking is not None else self.initial_group_bits
+
+    def set_group_bits(self, group_bits: str) -> None:
+        self._matchmaking.group_bits = group_bits
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.dht.peer_id
+
+    # --- averaging ---------------------------------------------------------------------------------
+
+    def step(self, gather: Any = None, scheduled_time: float | None = None, weight: float | None = None,
+             timeout: float | None = None, allow_retries: bool = True, require_trigger: bool = False,
+             wait: bool = True):
+        """Average once with a group; returns {peer_id: gathered data} of its members.
+
+        With `wait=False` returns a StepControl at once (result, cancel, trigger). Raises
+        AveragingError if no round succeeded before `timeout` (default 60 s).
+        """
+        if self._ready is None:
+            raise RuntimeError("the averager is not running: create it with start=True")
+        if weight is None:
+            weight = 0.0 if self.mode == AveragingMode.AUX else 1.0
+        if self.mode == AveragingMode.AUX and weight != 0:
+            raise ValueError("an auxiliary peer contributes no tensors, so its weight must be 0")
+        if scheduled_time is None:
+            scheduled_time = get_dht_time() + self.min_matchmaking_time
+        control = StepControl(self._background.loop, scheduled_time=scheduled_time, weight=weight,
+                              require_trigger=require_trigger)
+        user_gather = MSGPackSerializer.dumps(gather)
+        control._attach(self._background.submit(self._step(control, user_gather, timeout, allow_retries)))
+        return control.result() if wait else control
+
+    async def _step(self, control: StepControl, user_gather: bytes, timeout: float | None, allow_retries: bool):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout if timeout is not None else DEFAULT_STEP_TIMEOUT)
+        gather = MSGPackSerializer.dumps([self.bandwidth, self.mode.value, user_gather])
+        failures = []
+        try:
+            while True:
+                control.stage = AveragingStage.LOOKING_FOR_GROUP
+                group = await self._matchmaking.look_for_group(gather=gather, deadline=deadline,
+                                                               scheduled_time=control.scheduled_time)
+                if group is None:
+                    failures.append("could not find a group")
+                else:
+                    control.stage = AveragingStage.AWAITING_TRIGGER
+                    async with asyncio.timeout_at(deadline):
+                        await control.wait_for_trigger()
+                    control.stage = AveragingStage.RUNNING_ALLREDUCE
+                    try:
+                        return await self._run_allreduce(group, control.weight)
+                    except (ConnectionError, TimeoutError, ValueError) as error:
+                        failures.append(f"all-reduce in group {group.group_id.hex()[:8]} failed: {error!r}")
+                if not allow_retries or loop.time() + self.request_timeout >= deadline:
+                    raise AveragingError(f"Averaging step failed: {'; '.join(failures)}")
+                control.scheduled_time = get_dht_time() + self.min_matchmaking_time
+        except TimeoutError:
+            raise AveragingError(f"Averaging step failed: no group was ready before the deadline "
+                                 f"({'; '.join(failures) or 'waiting for the trigger'})") from None
+        finally:
+            control.stage = AveragingStage.FINISHED
+
+    async def _run_allreduce(self, group, weight: float) -> dict[PeerID, Any]:
+        members = [MSGPackSerializer.loads(data) for data in group.gathered]
+        for member in members:
+            if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
+                raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
+        modes = [AveragingMode(member[1]) for member in members]
+        bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)]
+        total = sum(tensor.numel() for tensor in self._tensors)
+        fractions = load_balance_peers(total, bandwidths, self.min_vector_size)
+        async with self._working_copy() as work:
+            runner = AllReduceRunner(
+                self.dht.host, group.group_id, work, group.peer_ids, fractions, modes, weight, self.compression,
+                self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
+                averaging_alpha=self.averaging_alpha, tensor_infos=self.tensor_infos)
+            with _routers[self.dht.host].register(runner):
+                async with asyncio.timeout(self.allreduce_timeout):
+                    report = await runner.run()
+        if not report.complete:
+            failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
+                               for f in report.failed_spans)
+            logger.warning(f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "
+                           f"values: {failed or 'none'}; excluded senders: {list(map(str, report.excluded_senders))}")
+        return {peer: MSGPackSerializer.loads(member[2]) for peer, member in zip(group.peer_ids, members)}
+
+    @contextlib.asynccontextmanager
+    async def _working_copy(self):
+        """Run the round on private copies; publish the result in one short critical section."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._lock.acquire)
+        try:
+            for work, tensor in zip(self._work, self._tensors):
+                work.copy_(tensor)
+        finally:
+            self._lock.release()
+        yield self._work
+        await loop.run_in_executor(None, self._lock.acquire)
+        try:
+            for work, tensor in zip(self._work, self._tensors):
+                tensor.copy_(work)
+            self._state_sharing.state_changed()
+        finally:
+            self._lock.release()
+
+    def __repr__(self) -> str:
+        return f"<DecentralizedAverager {self.prefix} {self.mode.name} peer={self.dht.peer_id.short()}>"

@@ -3,10 +3,31 @@
 The public names mirror hivemind's, so `import plexus as hivemind` runs hivemind scripts.
 """
 
+from .averaging.averager import DecentralizedAverager
+from .compression import (
+    BlockwiseQuantization,
+    CompressionBase,
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    PerTensorCompression,
+    Quantile8BitQuantization,
+    RoleAdaptiveCompression,
+    ScaledFloat16Compression,
+    SizeAdaptiveCompression,
+    TensorRole,
+    Uniform8BitQuantization,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from .dht.dht import DHT
 from .p2p.identity import PeerID
 from .utils.timing import get_dht_time
-
 from .version import __version__
 
-__all__ = ["DHT", "PeerID", "get_dht_time", "__version__"]
+__all__ = [
+    "DHT", "BlockwiseQuantization", "CompressionBase", "CompressionInfo", "DecentralizedAverager",
+    "Float16Compression", "NoCompression", "PeerID", "PerTensorCompression", "Quantile8BitQuantization",
+    "RoleAdaptiveCompression", "ScaledFloat16Compression", "SizeAdaptiveCompression", "TensorRole",
+    "Uniform8BitQuantization", "__version__", "deserialize_torch_tensor", "get_dht_time", "serialize_torch_tensor",
+]

@@ -32,16 +32,36 @@ SCRIPTS = ["make_demo_corpus.py", "tokenize_corpus.py", "train_local.py", "run_t
 
 def run_script(name: str, *args: str, cwd: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, os.path.join(EXAMPLE, name), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(EXAMPLE, name), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory) -> str:
     """The fixture corpus (a .txt folder and a WikiText file) tokenized with a small BPE, 32 tokens."""
     out = str(tmp_path_factory.mktemp("albert") / "tokenized")
-    result = run_script("tokenize_corpus.py", "--input_path", FIXTURES, "--output_dir", out, "--tokenizer_type", "bpe",
-                        "--vocab_size", "300", "--seq_length", "32", "--seed", "1", cwd=EXAMPLE)
+    result = run_script(
+        "tokenize_corpus.py",
+        "--input_path",
+        FIXTURES,
+        "--output_dir",
+        out,
+        "--tokenizer_type",
+        "bpe",
+        "--vocab_size",
+        "300",
+        "--seq_length",
+        "32",
+        "--seed",
+        "1",
+        cwd=EXAMPLE,
+    )
     assert result.returncode == 0, result.stderr
     return out
 
@@ -49,8 +69,10 @@ def tokenized(tmp_path_factory) -> str:
 @pytest.mark.timeout(60)
 def test_tokenized_rows_are_well_formed_sentence_order_pairs(tokenized):
     meta = json.load(open(os.path.join(tokenized, "meta.json")))
-    arrays = {name: np.load(os.path.join(tokenized, f"{name}.npy"), mmap_mode="r")
-              for name in data.COLUMNS + (data.LABEL,)}
+    arrays = {
+        name: np.load(os.path.join(tokenized, f"{name}.npy"), mmap_mode="r")
+        for name in data.COLUMNS + (data.LABEL,)
+    }
     n = meta["samples"]
     assert n >= 20 and meta["documents"] == 7  # five .txt documents and two WikiText articles
     for name in data.COLUMNS:
@@ -60,10 +82,16 @@ def test_tokenized_rows_are_well_formed_sentence_order_pairs(tokenized):
     for row in range(n):
         ids, types = arrays["input_ids"][row], arrays["token_type_ids"][row]
         length = int(arrays["attention_mask"][row].sum())
-        assert (arrays["attention_mask"][row][:length] == 1).all() and (arrays["attention_mask"][row][length:] == 0).all()
+        assert (arrays["attention_mask"][row][:length] == 1).all() and (
+            arrays["attention_mask"][row][length:] == 0
+        ).all()
         seps = np.flatnonzero(ids[:length] == sep)
         assert ids[0] == cls and len(seps) == 2 and seps[1] == length - 1 and 1 < seps[0] < length - 2
-        assert (types[:seps[0] + 1] == 0).all() and (types[seps[0] + 1:length] == 1).all() and (types[length:] == 0).all()
+        assert (
+            (types[: seps[0] + 1] == 0).all()
+            and (types[seps[0] + 1 : length] == 1).all()
+            and (types[length:] == 0).all()
+        )
         assert (ids[length:] == pad).all()
         special = np.zeros(32, np.uint8)
         special[[0, seps[0], seps[1]]] = 1
@@ -110,7 +138,9 @@ def test_wikitext_articles_and_saved_datasets_become_documents(tmp_path):
     rows = ["First document. It has two sentences.", "Second document here. Also two."]
     datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "saved"))
     assert list(corpus.read_documents(str(tmp_path / "saved"))) == [
-        ["First document.", "It has two sentences."], ["Second document here.", "Also two."]]
+        ["First document.", "It has two sentences."],
+        ["Second document here.", "Also two."],
+    ]
     with pytest.raises(SystemExit, match="text_column"):
         list(corpus.read_documents(str(tmp_path / "saved"), text_column="body"))
 
@@ -127,8 +157,16 @@ def test_missing_input_says_what_to_pass(tmp_path):
 def test_demo_corpus_is_deterministic_english_prose_with_a_licence_note(tmp_path):
     outputs = []
     for name in ("one", "two"):
-        result = run_script("make_demo_corpus.py", "--output_dir", str(tmp_path / name), "--packages", "",
-                            "--max_megabytes", "0.15", cwd=str(tmp_path))
+        result = run_script(
+            "make_demo_corpus.py",
+            "--output_dir",
+            str(tmp_path / name),
+            "--packages",
+            "",
+            "--max_megabytes",
+            "0.15",
+            cwd=str(tmp_path),
+        )
         assert result.returncode == 0, result.stderr
         outputs.append(open(tmp_path / name / "corpus.txt", encoding="utf-8").read())
     assert outputs[0] == outputs[1]
@@ -152,11 +190,19 @@ def test_collator_masks_ordinary_tokens_80_10_10():
     special[:, [0, 60, 100]] = 1
     special[:, 101:] = 1
     ids[:, 101:] = 0
-    rows = [dict(input_ids=ids[i], token_type_ids=torch.zeros(length, dtype=torch.long),
-                 attention_mask=(torch.arange(length) <= 100).long(),
-                 special_tokens_mask=special[i], sentence_order_label=torch.tensor(i % 2)) for i in range(n)]
-    collate = data.MaskingCollator(mask_token_id=4, vocab_size=vocab, first_ordinary_id=5,
-                                   generator=torch.Generator().manual_seed(0))
+    rows = [
+        dict(
+            input_ids=ids[i],
+            token_type_ids=torch.zeros(length, dtype=torch.long),
+            attention_mask=(torch.arange(length) <= 100).long(),
+            special_tokens_mask=special[i],
+            sentence_order_label=torch.tensor(i % 2),
+        )
+        for i in range(n)
+    ]
+    collate = data.MaskingCollator(
+        mask_token_id=4, vocab_size=vocab, first_ordinary_id=5, generator=torch.Generator().manual_seed(0)
+    )
     batch = collate(rows)
     assert batch["input_ids"].shape == (n, 101)  # trimmed to the longest row
     chosen = batch["labels"] != -100
@@ -178,7 +224,8 @@ def test_masked_only_head_gives_stock_albert_losses_and_gradients(tokenized):
     torch.manual_seed(0)
     dataset = data.PretrainingDataset(tokenized)
     batch = data.MaskingCollator.from_meta(dataset.meta, generator=torch.Generator().manual_seed(0))(
-        [dataset[i] for i in range(8)])
+        [dataset[i] for i in range(8)]
+    )
     fast = albert_model.make_model("tiny", dataset.meta["vocab_size"], dataset.seq_length)
     stock = AlbertForPreTraining(fast.config)
     stock.load_state_dict(fast.state_dict())
@@ -215,20 +262,52 @@ def test_each_peer_reads_its_own_order_of_every_row():
 
 @pytest.mark.timeout(60)
 def test_train_local_runs_and_reports_losses(tokenized, tmp_path):
-    result = run_script("train_local.py", "--data_dir", tokenized, "--max_steps", "3", "--batch_size", "8",
-                        "--gradient_accumulation_steps", "2", "--out_dir", str(tmp_path / "model"), cwd=str(tmp_path))
+    result = run_script(
+        "train_local.py",
+        "--data_dir",
+        tokenized,
+        "--max_steps",
+        "3",
+        "--batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "2",
+        "--out_dir",
+        str(tmp_path / "model"),
+        cwd=str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     assert "step     3 | mlm" in result.stdout
-    assert os.path.exists(tmp_path / "model" / "config.json") and os.path.exists(tmp_path / "model" / "tokenizer.json")
+    assert os.path.exists(tmp_path / "model" / "config.json") and os.path.exists(
+        tmp_path / "model" / "tokenizer.json"
+    )
 
 
 @pytest.mark.timeout(90)
 def test_run_trainer_local_mode_trains_and_logs_mlm_separately(tokenized, tmp_path):
     pytest.importorskip("accelerate")
-    result = run_script("run_trainer.py", "--local", "--dataset_path", tokenized, "--max_steps", "2",
-                        "--per_device_train_batch_size", "4", "--logging_steps", "1", "--save_steps", "1000",
-                        "--output_dir", str(tmp_path / "outputs"), "--logging_dir", str(tmp_path / "logs"),
-                        "--disable_tqdm", "true", cwd=str(tmp_path), timeout=80)
+    result = run_script(
+        "run_trainer.py",
+        "--local",
+        "--dataset_path",
+        tokenized,
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "1000",
+        "--output_dir",
+        str(tmp_path / "outputs"),
+        "--logging_dir",
+        str(tmp_path / "logs"),
+        "--disable_tqdm",
+        "true",
+        cwd=str(tmp_path),
+        timeout=80,
+    )
     assert result.returncode == 0, result.stderr
     logs = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
     assert [entry["step"] for entry in logs if "mlm_loss" in entry] == [1, 2]

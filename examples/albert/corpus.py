@@ -80,7 +80,9 @@ def looks_like_wikitext(lines: Iterable[str], probe: int = 200) -> bool:
 
 def _is_saved_dataset(path: str) -> bool:
     return os.path.isdir(path) and any(
-        os.path.exists(os.path.join(path, name)) for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
+        os.path.exists(os.path.join(path, name))
+        for name in ("dataset_info.json", "dataset_dict.json", "state.json")
+    )
 
 
 def text_files(path: str) -> list[str]:
@@ -97,12 +99,16 @@ def check_input(path: str) -> None:
     """Raise SystemExit, saying what to pass instead, unless `path` holds something we can read."""
     if not os.path.exists(path):
         raise SystemExit(
-            f"error: --input_path {path!r} does not exist. Pass a folder of .txt files, a WikiText-103 raw file "
-            f"(e.g. wikitext-103-raw/wiki.train.raw), or a folder written by datasets' save_to_disk. "
-            f"To build the offline demo corpus first, run: python make_demo_corpus.py")
+            f"error: --input_path {path!r} does not exist. Pass a folder of .txt files, "
+            f"a WikiText-103 raw file (e.g. wikitext-103-raw/wiki.train.raw), "
+            f"or a folder written by datasets' save_to_disk. "
+            f"To build the offline demo corpus first, run: python make_demo_corpus.py"
+        )
     if not _is_saved_dataset(path) and not text_files(path):
-        raise SystemExit(f"error: {path!r} holds no .txt or .raw files and is not a saved dataset "
-                         f"(no dataset_info.json, dataset_dict.json or state.json); pass one of those")
+        raise SystemExit(
+            f"error: {path!r} holds no .txt or .raw files and is not a saved dataset "
+            f"(no dataset_info.json, dataset_dict.json or state.json); pass one of those"
+        )
 
 
 def file_format(name: str) -> str:
@@ -116,16 +122,21 @@ def _dataset_rows(path: str, split: str, text_column: str) -> Iterable[str]:
     data = datasets.load_from_disk(path)
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
-            raise SystemExit(f"error: {path!r} has splits {sorted(data)}, not {split!r}; pass --split with one of them")
+            raise SystemExit(
+                f"error: {path!r} has splits {sorted(data)}, not {split!r}; pass --split with one of them"
+            )
         data = data[split]
     if text_column not in data.column_names:
-        raise SystemExit(f"error: {path!r} has columns {data.column_names}, not {text_column!r}; "
-                         f"pass --text_column with the one holding text")
+        raise SystemExit(
+            f"error: {path!r} has columns {data.column_names}, not {text_column!r}; "
+            f"pass --text_column with the one holding text"
+        )
     return (row[text_column] for row in data)
 
 
-def read_documents(path: str, input_format: str = "auto", split: str = "train",
-                   text_column: str = "text") -> Iterator[Document]:
+def read_documents(
+    path: str, input_format: str = "auto", split: str = "train", text_column: str = "text"
+) -> Iterator[Document]:
     """All documents of the input, in a fixed order; each call reads the input again from the start.
 
     With input_format "auto", a saved dataset is read as "disk" and each file as "wikitext" or

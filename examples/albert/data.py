@@ -27,8 +27,10 @@ LABEL = "sentence_order_label"
 def read_meta(path: str) -> dict:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
-        raise SystemExit(f"error: {path!r} is not a tokenized corpus (no meta.json); "
-                         f"create one with: python tokenize_corpus.py --output_dir {path}")
+        raise SystemExit(
+            f"error: {path!r} is not a tokenized corpus (no meta.json); "
+            f"create one with: python tokenize_corpus.py --output_dir {path}"
+        )
     with open(meta_path) as f:
         return json.load(f)
 
@@ -38,14 +40,19 @@ class PretrainingDataset(torch.utils.data.Dataset):
 
     def __init__(self, path: str):
         self.path, self.meta = path, read_meta(path)
-        self.arrays = {name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r") for name in COLUMNS + (LABEL,)}
+        self.arrays = {
+            name: np.load(os.path.join(path, f"{name}.npy"), mmap_mode="r") for name in COLUMNS + (LABEL,)
+        }
         self.seq_length = self.arrays["input_ids"].shape[1]
 
     def __len__(self) -> int:
         return len(self.arrays[LABEL])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {name: torch.from_numpy(np.asarray(array[index], dtype=np.int64)) for name, array in self.arrays.items()}
+        return {
+            name: torch.from_numpy(np.asarray(array[index], dtype=np.int64))
+            for name, array in self.arrays.items()
+        }
 
 
 def shuffled_order(size: int, seed: int, epoch: int) -> torch.Tensor:
@@ -85,9 +92,20 @@ class MaskingCollator:
     With `trim=True` the batch is cut to its longest row: short documents then cost less compute.
     """
 
-    def __init__(self, mask_token_id: int, vocab_size: int, first_ordinary_id: int = 0,
-                 mlm_probability: float = 0.15, trim: bool = True, generator: torch.Generator | None = None):
-        self.mask_token_id, self.vocab_size, self.first_ordinary_id = mask_token_id, vocab_size, first_ordinary_id
+    def __init__(
+        self,
+        mask_token_id: int,
+        vocab_size: int,
+        first_ordinary_id: int = 0,
+        mlm_probability: float = 0.15,
+        trim: bool = True,
+        generator: torch.Generator | None = None,
+    ):
+        self.mask_token_id, self.vocab_size, self.first_ordinary_id = (
+            mask_token_id,
+            vocab_size,
+            first_ordinary_id,
+        )
         self.mlm_probability, self.trim, self.generator = mlm_probability, trim, generator
 
     @classmethod
@@ -112,7 +130,8 @@ class MaskingCollator:
         draw = torch.rand(inputs.shape, generator=self.generator)
         inputs[chosen & (draw < 0.8)] = self.mask_token_id
         randomized = chosen & (draw >= 0.8) & (draw < 0.9)
-        inputs[randomized] = torch.randint(self.first_ordinary_id, self.vocab_size, inputs.shape,
-                                           generator=self.generator)[randomized]
+        inputs[randomized] = torch.randint(
+            self.first_ordinary_id, self.vocab_size, inputs.shape, generator=self.generator
+        )[randomized]
         batch["input_ids"], batch["labels"] = inputs, labels
         return batch

@@ -1,8 +1,8 @@
 """Settings as plain module variables, overridable by flags of the same names.
 
 Each script keeps its settings at the top as `name = default  # help text`, then calls
-`apply_flags(globals(), __doc__)`. Every public name bound to an int, float, str or bool becomes a
-flag `--name`; the trailing comment becomes its help. No exec, no config files.
+`apply_flags(globals(), __doc__)`. Every lower-case name bound to an int, float, str or bool becomes a
+flag `--name`, and its trailing comment (if any) its help. No exec, no config files.
 """
 
 import argparse
@@ -26,14 +26,26 @@ def apply_flags(namespace: dict, doc: str, argv: list[str] | None = None) -> arg
     helps = {m.group(1): m.group(2) for m in map(_SETTING_LINE.match, source.splitlines()) if m}
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, value in list(namespace.items()):
-        if name.startswith("_") or name not in helps or not isinstance(value, (bool, int, float, str)):
-            continue
+        if name.startswith("_") or name.isupper() or not isinstance(value, (bool, int, float, str)):
+            continue  # constants, modules, functions and private names are not settings
         if isinstance(value, bool):  # `--flag` alone means true; `--flag false` also works
-            parser.add_argument(f"--{name}", type=_parse_bool, nargs="?", const=True, default=value,
-                                metavar="BOOL", help=f"{helps[name]} (default: {value})")
+            parser.add_argument(
+                f"--{name}",
+                type=_parse_bool,
+                nargs="?",
+                const=True,
+                default=value,
+                metavar="BOOL",
+                help=f"{helps.get(name, '')} (default: {value})",
+            )
         else:
-            parser.add_argument(f"--{name}", type=type(value), default=value, metavar=type(value).__name__.upper(),
-                                help=f"{helps[name]} (default: {value!r})")
+            parser.add_argument(
+                f"--{name}",
+                type=type(value),
+                default=value,
+                metavar=type(value).__name__.upper(),
+                help=f"{helps.get(name, '')} (default: {value!r})",
+            )
     args = parser.parse_args(argv)
     namespace.update(vars(args))
     return args

@@ -24,13 +24,24 @@ import time
 
 # -- what to collect --
 output_dir = "data/demo_corpus"  # folder for corpus.txt and NOTICE
-packages = "numpy,scipy,torch,transformers"  # installed packages whose docstrings follow the standard library's
+packages = "numpy,scipy,torch,transformers"  # installed packages whose docstrings come next
 max_megabytes = 6.0  # stop once the corpus reaches this size
 min_words = 6  # drop shorter paragraphs (signatures, one-word notes)
 
 # Folders never worth reading: test suites, demos, vendored copies.
-_SKIP_DIRS = {"test", "tests", "testing", "idle_test", "turtledemo", "site-packages", "__pycache__",
-              "_vendor", "vendored", "benchmarks", "third_party"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "testing",
+    "idle_test",
+    "turtledemo",
+    "site-packages",
+    "__pycache__",
+    "_vendor",
+    "vendored",
+    "benchmarks",
+    "third_party",
+}
 _UNDERLINE = re.compile(r"^\s*([-=~*^#+])\1{2,}\s*$")
 _ROLE = re.compile(r":[a-zA-Z_:]+:`~?([^`]*)`")  # :func:`foo` -> foo
 _MARKUP = re.compile(r"``|\*\*|`_*")
@@ -68,7 +79,7 @@ def split_bullets(block: list[str]) -> list[list[str]]:
     for line in block:
         bullet = _BULLET.match(line)
         if bullet:
-            items.append([line[bullet.end():]])
+            items.append([line[bullet.end() :]])
         elif items and line.startswith(" "):
             items[-1].append(line.strip())
         else:
@@ -95,8 +106,9 @@ def module_docstrings(path: str) -> list[str]:
             tree = ast.parse(f.read(), filename=path)
     except (SyntaxError, UnicodeDecodeError, ValueError):
         return []  # a template or a file for another Python version: not our business
-    nodes = [tree] + [n for n in ast.walk(tree)
-                      if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = [tree] + [
+        n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     nodes.sort(key=lambda n: getattr(n, "lineno", 0))
     return [d for d in (ast.get_docstring(n, clean=True) for n in nodes) if d]
 
@@ -125,8 +137,10 @@ def package_root(name: str) -> str:
     dist = importlib.metadata.distribution(name)
     root = os.path.join(str(dist.locate_file("")), name)
     if not os.path.isdir(root):
-        raise SystemExit(f"error: package {name!r} has no source folder at {root}; "
-                         f"pass --packages with installed pure-Python packages (e.g. numpy,torch)")
+        raise SystemExit(
+            f"error: package {name!r} has no source folder at {root}; "
+            f"pass --packages with installed pure-Python packages (e.g. numpy,torch)"
+        )
     return root
 
 
@@ -144,11 +158,15 @@ def main():
     names = [p for p in packages.split(",") if p]
     stdlib = sysconfig.get_paths()["stdlib"]
     python = f"Python {sys.version.split()[0]}"
-    sources = [(f"{python} pydoc topics", "PSF-2.0", documents_from_pydoc_topics()),
-               (f"{python} standard library docstrings", "PSF-2.0", documents_from_tree(stdlib))]
+    sources = [
+        (f"{python} pydoc topics", "PSF-2.0", documents_from_pydoc_topics()),
+        (f"{python} standard library docstrings", "PSF-2.0", documents_from_tree(stdlib)),
+    ]
     for name in names:
         version = importlib.metadata.version(name)
-        sources.append((f"{name} {version} docstrings", package_licence(name), documents_from_tree(package_root(name))))
+        sources.append(
+            (f"{name} {version} docstrings", package_licence(name), documents_from_tree(package_root(name)))
+        )
 
     os.makedirs(output_dir, exist_ok=True)
     limit, written, seen, used = int(max_megabytes * 2**20), 0, set(), []
@@ -170,12 +188,16 @@ def main():
             if source_bytes:
                 used.append((label, licence, source_bytes))
     with open(os.path.join(output_dir, "NOTICE"), "w", encoding="utf-8") as f:
-        f.write("corpus.txt was built by make_demo_corpus.py from documentation text installed on this machine.\n"
-                "It is a derivative of the following works and is distributed under their licences:\n\n")
+        f.write(
+            "corpus.txt was built by make_demo_corpus.py from documentation text installed on this machine.\n"
+            "It is a derivative of the following works and is distributed under their licences:\n\n"
+        )
         for label, licence, size in used:
             f.write(f"- {label} ({size / 2**20:.2f} MB): {licence}\n")
-    print(f"wrote {written / 2**20:.2f} MB, {len(seen)} paragraphs to {output_dir}/corpus.txt "
-          f"in {time.perf_counter() - start:.1f} s")
+    print(
+        f"wrote {written / 2**20:.2f} MB, {len(seen)} paragraphs to {output_dir}/corpus.txt "
+        f"in {time.perf_counter() - start:.1f} s"
+    )
     for label, licence, size in used:
         print(f"  {size / 2**20:6.2f} MB  {label}  [{licence}]")
 

@@ -23,7 +23,7 @@ import transformers
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from data import MaskingCollator, PeerShuffledStream, PretrainingDataset
+from data import MaskingCollator, PeerShuffledStream, PretrainingDataset  # siblings in examples/albert
 from model import count_parameters, make_model, parameter_groups
 
 
@@ -31,29 +31,67 @@ from model import count_parameters, make_model, parameter_groups
 class CollaborationArguments:
     """How this peer joins the swarm (ignored with --local)."""
 
-    local: bool = field(default=False, metadata={"help": "train alone with AdamW, no swarm (a baseline and a smoke test)"})
-    run_id: str = field(default="albert", metadata={"help": "name of the collaboration; peers with the same run_id train together"})
-    initial_peers: list[str] = field(default_factory=list, metadata={"help": "multiaddresses of peers already in the swarm"})
-    use_ipfs: bool = field(default=False, metadata={"help": "find initial peers through the IPFS DHT by peer id only"})
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata={"help": "addresses to listen on"})
-    announce_maddrs: list[str] = field(default_factory=list, metadata={"help": "addresses to tell other peers, if not the listening ones"})
-    identity_path: str | None = field(default=None, metadata={"help": "file with this peer's private key, to keep its peer id across restarts"})
-    client_mode: bool = field(default=False, metadata={"help": "for peers behind NAT or firewalls: dial out, accept no connections"})
-    target_batch_size: int = field(default=4096, metadata={"help": "samples the whole swarm accumulates per optimizer step"})
-    batch_size_lead: int = field(default=0, metadata={"help": "start averaging this many samples before the target is reached"})
-    matchmaking_time: float = field(default=5.0, metadata={"help": "seconds to gather a group before averaging"})
-    averaging_timeout: float = field(default=60.0, metadata={"help": "give up on an averaging round after this many seconds"})
-    bandwidth: float = field(default=100.0, metadata={"help": "this peer's bandwidth in Mbit/s, to share the work of averaging"})
+    local: bool = field(
+        default=False, metadata={"help": "train alone with AdamW, no swarm (a baseline and a smoke test)"}
+    )
+    run_id: str = field(
+        default="albert",
+        metadata={"help": "name of the collaboration; peers with the same run_id train together"},
+    )
+    initial_peers: list[str] = field(
+        default_factory=list, metadata={"help": "multiaddresses of peers already in the swarm"}
+    )
+    use_ipfs: bool = field(
+        default=False, metadata={"help": "find initial peers through the IPFS DHT by peer id only"}
+    )
+    host_maddrs: list[str] = field(
+        default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata={"help": "addresses to listen on"}
+    )
+    announce_maddrs: list[str] = field(
+        default_factory=list, metadata={"help": "addresses to tell other peers, if not the listening ones"}
+    )
+    identity_path: str | None = field(
+        default=None,
+        metadata={"help": "file with this peer's private key, to keep its peer id across restarts"},
+    )
+    client_mode: bool = field(
+        default=False, metadata={"help": "for peers behind NAT or firewalls: dial out, accept no connections"}
+    )
+    target_batch_size: int = field(
+        default=4096, metadata={"help": "samples the whole swarm accumulates per optimizer step"}
+    )
+    batch_size_lead: int = field(
+        default=0, metadata={"help": "start averaging this many samples before the target is reached"}
+    )
+    matchmaking_time: float = field(
+        default=5.0, metadata={"help": "seconds to gather a group before averaging"}
+    )
+    averaging_timeout: float = field(
+        default=60.0, metadata={"help": "give up on an averaging round after this many seconds"}
+    )
+    bandwidth: float = field(
+        default=100.0, metadata={"help": "this peer's bandwidth in Mbit/s, to share the work of averaging"}
+    )
     target_group_size: int = field(default=256, metadata={"help": "largest group that averages together"})
-    statistics_expiration: float = field(default=600.0, metadata={"help": "seconds this peer's published metrics stay valid"})
-    backup_every_steps: int = field(default=10, metadata={"help": "keep an in-memory copy of the state every this many steps"})
+    statistics_expiration: float = field(
+        default=600.0, metadata={"help": "seconds this peer's published metrics stay valid"}
+    )
+    backup_every_steps: int = field(
+        default=10, metadata={"help": "keep an in-memory copy of the state every this many steps"}
+    )
 
 
 @dataclass
 class DatasetArguments:
-    dataset_path: str = field(default="data/albert_tokenized", metadata={"help": "output of tokenize_corpus.py"})
-    tokenizer_path: str = field(default="", metadata={"help": "tokenizer to save with checkpoints (default: DATASET_PATH/tokenizer)"})
-    model_preset: str = field(default="tiny", metadata={"help": "tiny (demo) or large (albert-large-v2's shape)"})
+    dataset_path: str = field(
+        default="data/albert_tokenized", metadata={"help": "output of tokenize_corpus.py"}
+    )
+    tokenizer_path: str = field(
+        default="", metadata={"help": "tokenizer to save with checkpoints (default: DATASET_PATH/tokenizer)"}
+    )
+    model_preset: str = field(
+        default="tiny", metadata={"help": "tiny (demo) or large (albert-large-v2's shape)"}
+    )
 
 
 @dataclass
@@ -64,7 +102,9 @@ class AlbertTrainingArguments(TrainingArguments):
     gradient_accumulation_steps: int = 1
     learning_rate: float = 2e-3  # for the tiny model with AdamW; ALBERT-large with LAMB used 1.76e-3
     warmup_steps: int = 20
-    total_steps: int = field(default=1000, metadata={"help": "the learning rate decays linearly to 0 at this step"})
+    total_steps: int = field(
+        default=1000, metadata={"help": "the learning rate decays linearly to 0 at this step"}
+    )
     adam_epsilon: float = 1e-6
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
@@ -75,9 +115,16 @@ class AlbertTrainingArguments(TrainingArguments):
     save_total_limit: int | None = 2
     output_dir: str = "outputs"
     logging_dir: str = field(default="logs", metadata={"help": "metrics.jsonl goes here"})
-    overwrite_output_dir: bool = field(default=True, metadata={
-        "help": "start a fresh model; with --overwrite_output_dir false, resume from the newest checkpoint in OUTPUT_DIR"})
-    remove_unused_columns: bool = False  # the collator needs special_tokens_mask, which forward() does not take
+    overwrite_output_dir: bool = field(
+        default=True,
+        metadata={
+            "help": "start a fresh model; with --overwrite_output_dir false, "
+            "resume from the newest checkpoint in OUTPUT_DIR"
+        },
+    )
+    remove_unused_columns: bool = (
+        False  # the collator needs special_tokens_mask, which forward() does not take
+    )
     label_names: list[str] | None = field(default_factory=lambda: ["labels", "sentence_order_label"])
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = torch.cuda.is_available()
@@ -85,8 +132,12 @@ class AlbertTrainingArguments(TrainingArguments):
 
 def make_optimizer(model, args: AlbertTrainingArguments, collab: CollaborationArguments):
     """The optimizer and its schedule: the single place to switch from local AdamW to the swarm."""
-    optimizer = torch.optim.AdamW(parameter_groups(model, args.weight_decay), lr=args.learning_rate,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    optimizer = torch.optim.AdamW(
+        parameter_groups(model, args.weight_decay),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps, args.total_steps)
     if collab.local:
         return optimizer, scheduler
@@ -94,8 +145,10 @@ def make_optimizer(model, args: AlbertTrainingArguments, collab: CollaborationAr
     #   target_batch_size=collab.target_batch_size - collab.batch_size_lead, batch_size_per_step=
     #   args.per_device_train_batch_size * args.gradient_accumulation_steps * max(1, args.n_gpu), ...),
     # returned with a scheduler that does nothing (the swarm optimizer steps the real one).
-    raise SystemExit("error: collaborative training needs plexus.Optimizer, which is not available yet; "
-                     "run with --local to train alone")
+    raise SystemExit(
+        "error: collaborative training needs plexus.Optimizer, which is not available yet; "
+        "run with --local to train alone"
+    )
 
 
 class PretrainingTrainer(Trainer):
@@ -132,26 +185,40 @@ class JsonlMetrics(TrainerCallback):
 
 
 def main(argv: list[str] | None = None):
-    parser = HfArgumentParser((AlbertTrainingArguments, CollaborationArguments, DatasetArguments),
-                              description=__doc__)
+    parser = HfArgumentParser(
+        (AlbertTrainingArguments, CollaborationArguments, DatasetArguments), description=__doc__
+    )
     args, collab, data_args = parser.parse_args_into_dataclasses(args=argv)
     transformers.set_seed(args.seed)
     dataset = PretrainingDataset(data_args.dataset_path)
     model = make_model(data_args.model_preset, dataset.meta["vocab_size"], dataset.seq_length)
-    checkpoint = None if args.overwrite_output_dir or not os.path.isdir(args.output_dir) else get_last_checkpoint(args.output_dir)
-    print(f"{data_args.model_preset} ALBERT, {count_parameters(model) / 1e6:.2f} M parameters; {len(dataset)} samples "
-          f"of {dataset.seq_length} tokens" + (f"; resuming from {checkpoint}" if checkpoint else ""))
+    checkpoint = (
+        None
+        if args.overwrite_output_dir or not os.path.isdir(args.output_dir)
+        else get_last_checkpoint(args.output_dir)
+    )
+    resuming = f"; resuming from {checkpoint}" if checkpoint else ""
+    print(
+        f"{data_args.model_preset} ALBERT, {count_parameters(model) / 1e6:.2f} M parameters; "
+        f"{len(dataset)} samples of {dataset.seq_length} tokens{resuming}"
+    )
 
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(data_args.tokenizer_path or os.path.join(data_args.dataset_path, "tokenizer"),
-                                              local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        data_args.tokenizer_path or os.path.join(data_args.dataset_path, "tokenizer"), local_files_only=True
+    )
     # Each peer must read its own order; in the swarm this seed will come from the peer id.
     stream = PeerShuffledStream(dataset, seed=args.seed)
     trainer = PretrainingTrainer(
-        model=model, args=args, train_dataset=stream, data_collator=MaskingCollator.from_meta(dataset.meta),
-        processing_class=tokenizer, optimizers=make_optimizer(model, args, collab),
-        callbacks=[JsonlMetrics(args.logging_dir)])
+        model=model,
+        args=args,
+        train_dataset=stream,
+        data_collator=MaskingCollator.from_meta(dataset.meta),
+        processing_class=tokenizer,
+        optimizers=make_optimizer(model, args, collab),
+        callbacks=[JsonlMetrics(args.logging_dir)],
+    )
     trainer.train(resume_from_checkpoint=checkpoint)
 
 

@@ -54,8 +54,9 @@ def train_tokenizer(texts, kind: str, size: int):
 
     if kind == "unigram":
         tokenizer = Tokenizer(models.Unigram())
-        trainer = trainers.UnigramTrainer(vocab_size=size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>",
-                                          show_progress=False)
+        trainer = trainers.UnigramTrainer(
+            vocab_size=size, special_tokens=SPECIAL_TOKENS, unk_token="<unk>", show_progress=False
+        )
     elif kind == "bpe":
         tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
         trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=SPECIAL_TOKENS, show_progress=False)
@@ -68,24 +69,41 @@ def train_tokenizer(texts, kind: str, size: int):
     cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     # Only for users calling tokenizer(a, b) later: this script builds pairs itself.
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)])
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
     # transformers 5 drops token_type_ids unless they are named here, and ALBERT would get all zeros.
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
-        raise SystemExit(f"error: --tokenizer_path {path!r} is not a folder. Pass a folder saved with "
-                         f"save_pretrained (tokenizer.json or spiece.model inside), or leave it empty to train one")
+        raise SystemExit(
+            f"error: --tokenizer_path {path!r} is not a folder. Pass a folder saved with "
+            f"save_pretrained (tokenizer.json or spiece.model inside), or leave it empty to train one"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    missing = [name for name in ("cls_token", "sep_token", "mask_token", "pad_token") if getattr(tokenizer, name) is None]
+    missing = [
+        name
+        for name in ("cls_token", "sep_token", "mask_token", "pad_token")
+        if getattr(tokenizer, name) is None
+    ]
     if missing:
-        raise SystemExit(f"error: the tokenizer in {path!r} has no {', '.join(missing)}; ALBERT needs "
-                         f"[CLS], [SEP], [MASK] and a padding token")
+        raise SystemExit(
+            f"error: the tokenizer in {path!r} has no {', '.join(missing)}; ALBERT needs "
+            f"[CLS], [SEP], [MASK] and a padding token"
+        )
     return tokenizer
 
 
@@ -102,6 +120,7 @@ def make_pairs(document: list[list[int]], max_tokens: int, short_seq_prob: float
     is split at a random sentence boundary (mid-sentence if it is a single sentence), then the longer
     side is trimmed away from the A|B boundary so the two halves stay adjacent in the text.
     """
+
     def new_target():
         return rng.randint(2, max_tokens) if rng.random() < short_seq_prob else max_tokens
 
@@ -126,7 +145,7 @@ def make_pairs(document: list[list[int]], max_tokens: int, short_seq_prob: float
                 len_a -= 1
             else:
                 len_b -= 1
-        a, b = a[len(a) - len_a:], b[:len_b]
+        a, b = a[len(a) - len_a :], b[:len_b]
         if a and b:
             swapped = rng.random() < 0.5
             pairs.append((b, a, True) if swapped else (a, b, False))
@@ -139,8 +158,13 @@ class ArrayWriter:
 
     def __init__(self, folder: str, seq_length: int, id_dtype):
         self.folder, self.seq_length, self.rows = folder, seq_length, 0
-        self.dtypes = {"input_ids": id_dtype, "token_type_ids": np.uint8, "attention_mask": np.uint8,
-                       "special_tokens_mask": np.uint8, "sentence_order_label": np.uint8}
+        self.dtypes = {
+            "input_ids": id_dtype,
+            "token_type_ids": np.uint8,
+            "attention_mask": np.uint8,
+            "special_tokens_mask": np.uint8,
+            "sentence_order_label": np.uint8,
+        }
         self.files = {name: open(os.path.join(folder, f"{name}.tmp"), "wb") for name in self.dtypes}
 
     def append(self, pairs, cls_id: int, sep_id: int, pad_id: int):
@@ -166,7 +190,11 @@ class ArrayWriter:
         for name, dtype in self.dtypes.items():
             self.files[name].close()
             shape = (self.rows, self.seq_length) if name != "sentence_order_label" else (self.rows,)
-            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
+            header = {
+                "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                "fortran_order": False,
+                "shape": shape,
+            }
             raw = os.path.join(self.folder, f"{name}.tmp")
             with open(os.path.join(self.folder, f"{name}.npy"), "wb") as out, open(raw, "rb") as data:
                 np.lib.format.write_array_header_1_0(out, header)
@@ -175,9 +203,8 @@ class ArrayWriter:
 
 
 def main():
-    from flags import apply_flags
-
     from corpus import check_input, read_documents
+    from flags import apply_flags
 
     apply_flags(globals(), __doc__)
     check_input(input_path)
@@ -196,6 +223,7 @@ def main():
         tokenizer = load_tokenizer(tokenizer_path)
         tokenizer_seconds = 0.0
     else:
+
         def sample_texts():
             budget = tokenizer_sample_megabytes * 2**20
             for document in documents():
@@ -204,13 +232,18 @@ def main():
                 budget -= len(text)
                 if budget <= 0:
                     return
+
         tokenizer = train_tokenizer(sample_texts(), tokenizer_type, vocab_size)
         tokenizer_seconds = time.perf_counter() - start
-        print(f"trained a {tokenizer_type} tokenizer with {len(tokenizer)} tokens in {tokenizer_seconds:.1f} s")
+        print(
+            f"trained a {tokenizer_type} tokenizer with {len(tokenizer)} tokens in {tokenizer_seconds:.1f} s"
+        )
     tokenizer.save_pretrained(os.path.join(output_dir, "tokenizer"))
 
-    cls_id, sep_id, pad_id, mask_id = (tokenizer.convert_tokens_to_ids(t) for t in (
-        tokenizer.cls_token, tokenizer.sep_token, tokenizer.pad_token, tokenizer.mask_token))
+    cls_id, sep_id, pad_id, mask_id = (
+        tokenizer.convert_tokens_to_ids(t)
+        for t in (tokenizer.cls_token, tokenizer.sep_token, tokenizer.pad_token, tokenizer.mask_token)
+    )
     special_ids = set(tokenizer.all_special_ids)
     # MLM replaces 10% of chosen tokens by random ones, drawn from ids above the specials when these
     # come first (ALBERT's do); otherwise from the whole vocabulary.
@@ -224,7 +257,7 @@ def main():
         sentences = [s for document in batch for s in document]
         encoded, pairs, offset = encode(tokenizer, sentences), [], 0
         for document in batch:
-            tokens = encoded[offset:offset + len(document)]
+            tokens = encoded[offset : offset + len(document)]
             offset += len(document)
             n_tokens += sum(map(len, tokens))
             pairs += make_pairs(tokens, seq_length - 3, short_seq_prob, rng)
@@ -241,15 +274,28 @@ def main():
     if writer.rows == 0:
         raise SystemExit(f"error: {input_path!r} gave no samples: it has no document with two or more tokens")
 
-    meta = dict(samples=writer.rows, seq_length=seq_length, vocab_size=len(tokenizer), documents=n_documents,
-                tokens=n_tokens, cls_token_id=cls_id, sep_token_id=sep_id, pad_token_id=pad_id,
-                mask_token_id=mask_id, first_ordinary_id=first_ordinary_id, input_path=input_path,
-                tokenizer=tokenizer_path or f"trained here: {tokenizer_type}, {vocab_size}", seed=seed,
-                short_seq_prob=short_seq_prob)
+    meta = dict(
+        samples=writer.rows,
+        seq_length=seq_length,
+        vocab_size=len(tokenizer),
+        documents=n_documents,
+        tokens=n_tokens,
+        cls_token_id=cls_id,
+        sep_token_id=sep_id,
+        pad_token_id=pad_id,
+        mask_token_id=mask_id,
+        first_ordinary_id=first_ordinary_id,
+        input_path=input_path,
+        tokenizer=tokenizer_path or f"trained here: {tokenizer_type}, {vocab_size}",
+        seed=seed,
+        short_seq_prob=short_seq_prob,
+    )
     with open(os.path.join(output_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"wrote {writer.rows} samples of {seq_length} tokens from {n_documents} documents ({n_tokens} tokens) "
-          f"to {output_dir} in {time.perf_counter() - tokenize_start:.1f} s")
+    print(
+        f"wrote {writer.rows} samples of {seq_length} tokens from {n_documents} documents "
+        f"({n_tokens} tokens) to {output_dir} in {time.perf_counter() - tokenize_start:.1f} s"
+    )
 
 
 if __name__ == "__main__":

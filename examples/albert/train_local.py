@@ -55,17 +55,24 @@ def main():
     dataset = PretrainingDataset(data_dir)
     meta = dataset.meta
     if batch_size % gradient_accumulation_steps:
-        raise SystemExit(f"error: --batch_size {batch_size} is not a multiple of "
-                         f"--gradient_accumulation_steps {gradient_accumulation_steps}")
+        raise SystemExit(
+            f"error: --batch_size {batch_size} is not a multiple of "
+            f"--gradient_accumulation_steps {gradient_accumulation_steps}"
+        )
     micro_batch = batch_size // gradient_accumulation_steps
     collate = MaskingCollator.from_meta(meta, generator=torch.Generator().manual_seed(seed))
-    loader = iter(torch.utils.data.DataLoader(PeerShuffledStream(dataset, seed), batch_size=micro_batch,
-                                              collate_fn=collate))
+    loader = iter(
+        torch.utils.data.DataLoader(
+            PeerShuffledStream(dataset, seed), batch_size=micro_batch, collate_fn=collate
+        )
+    )
     model = make_model(preset, meta["vocab_size"], dataset.seq_length)
     optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay), lr=learning_rate, eps=adam_epsilon)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    print(f"{preset} ALBERT, {count_parameters(model) / 1e6:.2f} M parameters; {len(dataset)} samples of "
-          f"{dataset.seq_length} tokens; {threads} thread(s)")
+    print(
+        f"{preset} ALBERT, {count_parameters(model) / 1e6:.2f} M parameters; {len(dataset)} samples of "
+        f"{dataset.seq_length} tokens; {threads} thread(s)"
+    )
 
     model.train()
     samples, start = 0, time.perf_counter()
@@ -86,14 +93,19 @@ def main():
             raise SystemExit(f"error: loss became {mlm} at step {step}; lower --learning_rate")
         if step % log_every == 0 or step == max_steps:
             elapsed = time.perf_counter() - start
-            print(f"step {step:5d} | mlm {mlm:.4f} | sop {sop:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                  f"{samples / elapsed:.1f} samples/s | {elapsed:.0f} s", flush=True)
+            print(
+                f"step {step:5d} | mlm {mlm:.4f} | sop {sop:.4f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+                f"{samples / elapsed:.1f} samples/s | {elapsed:.0f} s",
+                flush=True,
+            )
 
     if out_dir:
         model.save_pretrained(out_dir)
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(os.path.join(data_dir, "tokenizer"), local_files_only=True).save_pretrained(out_dir)
+        AutoTokenizer.from_pretrained(
+            os.path.join(data_dir, "tokenizer"), local_files_only=True
+        ).save_pretrained(out_dir)
         print(f"saved the model and tokenizer to {out_dir}")
 
 

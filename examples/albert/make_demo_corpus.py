@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Build a small English corpus offline from documentation already on this machine.
 
     python make_demo_corpus.py                                  # -> data/demo_corpus/corpus.txt (~6 MB)

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Pre-train ALBERT with Hugging Face's Trainer; with --local, alone, without a swarm.
 
     python run_trainer.py --local --max_steps 200                          # one CPU peer, tiny model

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Turn local text into ALBERT pre-training pairs, stored as memory-mappable arrays.
 
     python make_demo_corpus.py && python tokenize_corpus.py          # demo: ~5 MB of docs, ~1 minute

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Pre-train a tiny ALBERT in one process, with no swarm: the baseline a collaboration must beat.
 
     python make_demo_corpus.py && python tokenize_corpus.py   # once, ~1 minute

@@ -92,6 +92,11 @@ class Host:
         self._running = False
         self.peer_router: Callable[[PeerID], Awaitable[None]] | None = None
         """Called to find addresses of a peer we must dial but know no address of (set by the DHT)."""
+        # Hooks for transports that live in their own modules (circuit relay: plexus/p2p/relay.py).
+        self.circuit_dialer: Callable[[PeerID, Multiaddr], Awaitable[Connection]] | None = None
+        """Dials a /p2p-circuit address and returns the relayed Connection (set by RelayClient)."""
+        self.address_sources: list[Callable[[], Iterable[Multiaddr]]] = []
+        """Extra addresses to advertise, e.g. /p2p/<relay>/p2p-circuit ones (added to visible addrs)."""
         self.set_stream_handler(identify.IDENTIFY_PROTOCOL, self._serve_identify)
         self.set_stream_handler(identify.IDENTIFY_PUSH_PROTOCOL, self._serve_identify_push)
         self.set_stream_handler(PING_PROTOCOL, self._serve_ping)
@@ -166,6 +171,8 @@ class Host:
                     addrs.append(addr)
             if include_observed:
                 addrs.extend(addr for addr in self._observed_addrs if addr not in addrs)
+        for source in self.address_sources:  # relay addresses (plexus/p2p/relay.py)
+            addrs.extend(source())
         return [addr.with_peer_id(self.peer_id) for addr in dict.fromkeys(addrs)]
 
     def add_addrs(self, peer_id: PeerID, addrs: Iterable[Multiaddr]) -> None:
@@ -227,10 +234,26 @@ class Host:
                 del self._connections[connection.remote_peer]
 
     def get_connection(self, peer_id: PeerID) -> Connection | None:
+        """A live connection to the peer, a direct one if there is any (relayed ones are limited)."""
+        fallback = None
         for connection in self._connections.get(peer_id, ()):
             if not connection.is_closed:
-                return connection
-        return None
+                if not getattr(connection, "relayed", False):
+                    return connection
+                fallback = fallback or connection
+        return fallback
+
+    # Used by transports in other modules (relay circuits, hole punching) to add their connections.
+
+    def make_connection(self, *, initiator: bool, expected_peer: PeerID | None = None) -> Connection:
+        """A Connection wired to this host's stream handlers, for a transport to drive and upgrade."""
+        return Connection(self.private_key, initiator=initiator, expected_peer=expected_peer,
+                          on_stream=self._on_stream, on_close=self._on_close,
+                          max_streams=self.options.max_streams_per_connection)
+
+    def add_connection(self, connection: Connection) -> None:
+        """Adopt an upgraded Connection made by another transport (identify runs on it)."""
+        self._register(connection)
 
     def connected_peers(self) -> list[PeerID]:
         return [peer for peer, connections in self._connections.items() if connections]
@@ -285,6 +308,10 @@ class Host:
         raise DialError(f"could not connect to {peer_id} (tried {'; '.join(failures)})")
 
     async def _dial_addr(self, peer_id: PeerID, addr: Multiaddr) -> Connection:
+        if addr.is_circuit:  # /…/p2p/<relay>/p2p-circuit: dialed by plexus/p2p/relay.py
+            if self.circuit_dialer is None:
+                raise DialError(f"{addr} is a relay address, but this host has no relay client")
+            return await self.circuit_dialer(peer_id, addr)
         host, port, _ = parse_host_port(addr)
         loop = asyncio.get_running_loop()
         connection = Connection(self.private_key, initiator=True, expected_peer=peer_id, on_stream=self._on_stream,

@@ -21,7 +21,7 @@ dialer) cannot make one peer pass for another.
 many reservations each source IP holds, how many circuits are open per peer and in total. Every
 bound is in `RelayLimits`. Decisions come back as `Status` codes, which the driver sends as they are.
 
-Vouchers are signed envelopes (domain "libp2p-relay-rsvp", payload type multicodec 0x0302) whose
+Vouchers are signed envelopes (domain "libp2p-relay-rsvp", payload type bytes 03 02) whose
 payload is Voucher{relay, peer, expiration}; the spec says they are advisory, and we only check
 them when asked.
 
@@ -43,7 +43,7 @@ MAX_MESSAGE_SIZE = 4096  # go-libp2p's bound; real messages are a few hundred by
 MAX_ADDRS = 32
 MAX_ADDR_SIZE = 1024
 VOUCHER_DOMAIN = "libp2p-relay-rsvp"
-VOUCHER_PAYLOAD_TYPE = encode_uvarint(0x0302)
+VOUCHER_PAYLOAD_TYPE = b"\x03\x02"  # the code 0x0302 as two big-endian bytes, as go-libp2p writes it
 
 
 class HopType(enum.IntEnum):

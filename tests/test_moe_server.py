@@ -204,9 +204,9 @@ def test_each_builtin_expert_starts_and_answers(expert_cls, client):
         assert output.shape == inputs[0].shape and torch.isfinite(output).all()
 
 
-def test_server_refuses_a_dht_until_announcing_exists():
+def test_server_refuses_something_that_is_neither_a_dht_nor_a_host():
     backend = ModuleBackend("ffn.0", torch.nn.Linear(4, 4), args_schema=(BatchTensorDescriptor((4,)),))
-    with pytest.raises(NotImplementedError, match="pass a plexus.p2p.Host"):
+    with pytest.raises(TypeError, match="started plexus.DHT or plexus.p2p.Host"):
         Server(object(), {"ffn.0": backend}, start=True)
 
 

@@ -7,8 +7,11 @@ a periodic task on that loop saves checkpoints every `update_period` through the
 so a checkpoint never sees a half-applied optimizer step. Shutdown saves once more, fails the
 requests still waiting, and leaves no thread or task behind.
 
-Announcing the experts in the DHT is `_declare_experts`, the one method that waits for the DHT
-facade: a Server given a DHT refuses to start until it is written.
+Given a DHT, the server serves on the DHT's own host and announces its experts there
+(`expert_registry.declare_experts`): once at start-up, after the handlers are registered (so an
+expert is never found before it answers), and again every `update_period` from the periodic
+task, each announcement living `expiration` seconds. A server that stops simply stops renewing;
+its entries expire.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from pathlib import Path
 import torch
 
 from ...compression import CompressionType
+from ...dht.dht import DHT
 from ...p2p.host import Host, PeerInfo
 from ...utils.background_loop import get_background_loop
 from ...utils.logging import get_logger
+from ...utils.timing import get_dht_time
+from ..expert_registry import declare_experts_async
 from ..expert_uid import is_valid_uid, sample_expert_uids
 from ..schema import BatchTensorDescriptor
 from .checkpoints import DEFAULT_KEEP_LAST, load_experts, saved_expert_uids, store_experts
@@ -45,8 +51,8 @@ class Server:
     """Serves `module_backends` (uid -> ModuleBackend) to RemoteExperts.
 
     Args:
-        host_or_dht: a started `plexus.p2p.Host` on the background loop (experts are not announced),
-            or a DHT (announcing is not written yet: starting raises NotImplementedError).
+        host_or_dht: a running plexus.DHT (the experts are served on its host and announced in it),
+            or a started `plexus.p2p.Host` on the background loop (served, not announced).
         module_backends: the experts, by uid.
         update_period: seconds between checkpoints (and, with a DHT, re-announcements).
         expiration: lifetime of an announcement in the DHT (default max(2 * update_period, 3)).
@@ -64,6 +70,8 @@ class Server:
         else:
             self.dht = host_or_dht
             self.host = getattr(host_or_dht, "host", None)
+            if self.host is None:
+                raise TypeError(f"Server needs a started plexus.DHT or plexus.p2p.Host, got {host_or_dht!r}")
         self.module_backends = dict(module_backends)
         for uid, backend in self.module_backends.items():
             if backend.name != uid:
@@ -79,6 +87,7 @@ class Server:
         self._stopped = threading.Event()
         self._periodic: asyncio.Task | None = None
         self._owns_host = False
+        self._owns_dht = False
         if start:
             self.run_in_background(await_ready=True)
 
@@ -92,8 +101,6 @@ class Server:
     def start(self, timeout: float | None = START_TIMEOUT) -> None:
         if self.ready.is_set():
             return
-        if self.dht is not None:
-            self._declare_experts()  # fails before anything starts until the DHT part exists
         if self.checkpoint_dir is not None:
             load_experts(self.module_backends, self.checkpoint_dir)
         self.runtime.start()
@@ -104,6 +111,8 @@ class Server:
             raise
         self._stopped.clear()
         self.ready.set()
+        if self.dht is not None:
+            self._declare_experts()
         logger.info(f"serving {len(self.module_backends)} experts as {self.host.peer_id}")
 
     async def _start_on_loop(self) -> None:
@@ -123,6 +132,7 @@ class Server:
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop serving: unregister the handlers, save checkpoints, stop the compute thread."""
         if not self.ready.is_set():
+            self._release_owned(timeout)
             return
         self.ready.clear()
         get_background_loop().run(self._stop_on_loop(), timeout)
@@ -132,9 +142,17 @@ class Server:
             except Exception as error:
                 logger.warning(f"the final checkpoint failed: {error!r}")
         self.runtime.shutdown(timeout)
-        if self._owns_host:
-            get_background_loop().run(self.host.shutdown(), timeout)
+        self._release_owned(timeout)
         self._stopped.set()
+
+    def _release_owned(self, timeout: float | None) -> None:
+        """Close the DHT or host that `create` made for this server (idempotent)."""
+        if self._owns_dht:
+            self._owns_dht = False
+            self.dht.shutdown()
+        if self._owns_host:
+            self._owns_host = False
+            get_background_loop().run(self.host.shutdown(), timeout)
 
     async def _stop_on_loop(self) -> None:
         self.handler.unregister()
@@ -156,7 +174,7 @@ class Server:
         while True:
             await asyncio.sleep(self.update_period)  # a period, not synchronisation
             if self.dht is not None:
-                self._declare_experts()
+                await self._declare_experts_async()
             if self.checkpoint_dir is not None:
                 try:
                     await asyncio.wrap_future(self.runtime.submit_job(self._save_checkpoints))
@@ -168,15 +186,24 @@ class Server:
         store_experts(self.module_backends, self.checkpoint_dir, self.keep_checkpoints)
 
     def _declare_experts(self) -> None:
-        """Announce every uid in the DHT for `self.expiration` seconds.
+        """Announce every uid in the DHT for `self.expiration` seconds (from a thread, not the loop)."""
+        get_background_loop().run(self._declare_experts_async(), START_TIMEOUT)
 
-        TODO(DHT facade): `declare_experts(self.dht, list(self.module_backends), self.host.peer_id,
-        expiration_time=get_dht_time() + self.expiration)`, with the entries of
-        `expert_uid.prefix_entries(uid)`; the first call happens in `start()`, later ones every
-        update_period from `_every_update_period`.
-        """
-        raise NotImplementedError("announcing experts in the DHT is not written yet: pass a plexus.p2p.Host "
-                                  "instead of a DHT to serve experts without announcing them")
+    async def _declare_experts_async(self) -> bool:
+        """Announce on the loop; a failure is logged and retried at the next update_period."""
+        uids = list(self.module_backends)
+        try:
+            stored = await declare_experts_async(self.dht.node, uids, self.host.peer_id,
+                                                 get_dht_time() + self.expiration)
+        except Exception as error:
+            logger.warning(f"announcing {len(uids)} experts in the DHT failed: {error!r}; "
+                           f"retrying in {self.update_period} s")
+            return False
+        missing = [uid for uid, ok in stored.items() if not ok]
+        if missing:
+            logger.warning(f"{len(missing)} of {len(uids)} experts (e.g. {missing[0]!r}) were not stored by any DHT "
+                           f"peer; retrying in {self.update_period} s")
+        return not missing
 
     # --- building from a registered expert class ------------------------------------------------------
 
@@ -191,15 +218,20 @@ class Server:
                custom_module_path: str | None = None, update_period: float = 30.0,
                expiration: float | None = None, *, start: bool, host: Host | None = None, dht=None,
                rng: random.Random | None = None,
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, **host_options) -> "Server":
-        """Build a server of `expert_cls` experts (hivemind's arguments; `host_options` go to a Host
-        this server creates and owns when neither `host` nor `dht` is given).
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, **dht_kwargs) -> "Server":
+        """Build a server of `expert_cls` experts (hivemind's arguments).
+
+        Network: with neither `dht` nor `host` given, the server starts a DHT of its own
+        (`DHT(initial_peers, **dht_kwargs)`, e.g. host_maddrs, announce_maddrs, identity_path),
+        announces its experts there and closes it on shutdown. With `host`, it serves without a DHT.
 
         Experts: `expert_uids`, or `num_experts` taken from the checkpoints in `checkpoint_dir`
         first and then sampled from `expert_pattern` (e.g. `ffn.[0:4].[0:16]`; default `expert.0`,
-        `expert.1`, ...). Optimizer: `optim_cls(params)` (None: experts do not learn), clipped to
-        `clip_grad_norm`, with `scheduler` "linear" (needs num_warmup_steps and num_training_steps)
-        or "none". `num_handlers` has no effect: one event loop serves every connection.
+        `expert.1`, ...). Sampled uids already announced in the DHT are drawn again (up to
+        SAMPLING_ATTEMPTS rounds; two servers sampling at the same instant can still collide).
+
+        Optimizer: `optim_cls(params)` (None: experts do not learn), clipped to `clip_grad_norm`,
+        with `scheduler` "linear" (needs num_warmup_steps and num_training_steps) or "none". `num_handlers` has no effect: one event loop serves every connection.
         """
         if num_handlers is not None or stats_report_interval is not None:
             warnings.warn("num_handlers and stats_report_interval have no effect in Plexus (one event loop serves "
@@ -209,47 +241,67 @@ class Server:
         if expert_cls not in name_to_block:
             raise ValueError(f"unknown expert class {expert_cls!r}; registered: {sorted(name_to_block)} "
                              f"(add one with @register_expert_class or custom_module_path)")
-        uids = _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng or random.Random())
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-        sample = name_to_input[expert_cls](DUMMY_BATCH_SIZE, hidden_dim)
-        sample = sample if isinstance(sample, (tuple, list)) else (sample,)
-        args_schema = tuple(BatchTensorDescriptor.from_tensor(t, compression) for t in sample)
-        backends = {}
-        for uid in uids:
-            module = name_to_block[expert_cls](hidden_dim).to(device)
-            params = [p for p in module.parameters() if p.requires_grad]
-            optimizer = optim_cls(params) if optim_cls is not None and params else None
-            if optimizer is not None and clip_grad_norm is not None:
-                optimizer = ClippingWrapper(optimizer, clip_grad_norm)
-            schedule = _make_scheduler(scheduler, optimizer, num_warmup_steps, num_training_steps)
-            backends[uid] = ModuleBackend(uid, module, optimizer=optimizer, scheduler=schedule,
-                                          args_schema=args_schema, min_batch_size=min_batch_size,
-                                          max_batch_size=max_batch_size)
-
-        owns_host = False
+        owns_dht = False
         if dht is None and host is None:
-            if initial_peers:
-                raise NotImplementedError("joining a DHT through initial_peers is not written yet for expert "
-                                          "servers; leave initial_peers empty to serve without announcing")
-            host = get_background_loop().run(Host(**host_options).start(), START_TIMEOUT)
-            owns_host = True
-        elif host_options:
-            raise TypeError(f"host options {sorted(host_options)} apply only to a host the server creates itself")
-        server = cls(host if dht is None else dht, backends, update_period=update_period, expiration=expiration,
-                     checkpoint_dir=checkpoint_dir, request_timeout=request_timeout)
-        server._owns_host = owns_host
-        if start:
-            try:
+            dht = DHT(initial_peers=initial_peers, start=True, **dht_kwargs)
+            owns_dht = True
+        elif dht_kwargs or initial_peers:
+            raise TypeError(f"options {sorted(dht_kwargs) + (['initial_peers'] if initial_peers else [])} apply "
+                            f"only to a DHT the server creates itself (not with dht= or host=)")
+        try:
+            find_taken = None if dht is None else (lambda candidates: _announced(dht, candidates))
+            uids = _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng or random.Random(),
+                                find_taken)
+            backends = _make_backends(uids, expert_cls, hidden_dim, optim_cls, scheduler, num_warmup_steps,
+                                      num_training_steps, clip_grad_norm, min_batch_size, max_batch_size,
+                                      torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+                                      compression)
+            server = cls(host if dht is None else dht, backends, update_period=update_period,
+                         expiration=expiration, checkpoint_dir=checkpoint_dir, request_timeout=request_timeout)
+            server._owns_dht = owns_dht
+            if start:
                 server.start()
-            except BaseException:
-                if owns_host:
-                    get_background_loop().run(host.shutdown(), START_TIMEOUT)
-                raise
+        except BaseException:
+            if owns_dht:
+                dht.shutdown()
+            raise
         return server
 
 
-def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: random.Random) -> list[str]:
+SAMPLING_ATTEMPTS = 10
+
+
+def _announced(dht, uids: list[str]) -> set[str]:
+    """The uids some server announces in the DHT right now."""
+    async def lookup(_, node):
+        found = await node.get_many(uids)
+        return {uid for uid, record in found.items() if record is not None}
+    return dht.run_coroutine(lookup)
+
+
+def _make_backends(uids, expert_cls, hidden_dim, optim_cls, scheduler, num_warmup_steps, num_training_steps,
+                   clip_grad_norm, min_batch_size, max_batch_size, device, compression) -> dict[str, ModuleBackend]:
+    sample = name_to_input[expert_cls](DUMMY_BATCH_SIZE, hidden_dim)
+    sample = sample if isinstance(sample, (tuple, list)) else (sample,)
+    args_schema = tuple(BatchTensorDescriptor.from_tensor(t, compression) for t in sample)
+    backends, outputs_schema = {}, None
+    for uid in uids:
+        module = name_to_block[expert_cls](hidden_dim).to(device)
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = optim_cls(params) if optim_cls is not None and params else None
+        if optimizer is not None and clip_grad_norm is not None:
+            optimizer = ClippingWrapper(optimizer, clip_grad_norm)
+        schedule = _make_scheduler(scheduler, optimizer, num_warmup_steps, num_training_steps)
+        backends[uid] = backend = ModuleBackend(uid, module, optimizer=optimizer, scheduler=schedule,
+                                                args_schema=args_schema, outputs_schema=outputs_schema,
+                                                min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+        if outputs_schema is None:  # one dummy forward is enough: the experts share their class
+            outputs_schema = backend.outputs_schema if backend.outputs_tuple else backend.outputs_schema[0]
+    return backends
+
+
+def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: random.Random,
+                 find_taken=None) -> list[str]:
     if expert_uids is not None:
         if num_experts is not None and num_experts != len(expert_uids):
             raise ValueError(f"num_experts={num_experts} disagrees with the {len(expert_uids)} expert_uids given")
@@ -260,7 +312,7 @@ def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: 
             raise ValueError("say which experts to serve: num_experts (with expert_pattern), or expert_uids")
         missing = (num_experts or 0) - len(uids)
         if missing > 0 and expert_pattern is not None:
-            uids += sample_expert_uids(expert_pattern, missing, rng=rng, exclude=set(uids))
+            uids += _sample_free(expert_pattern, missing, rng, set(uids), find_taken)
         elif missing > 0:
             taken = set(uids)
             uids += [uid for uid in (f"expert.{i}" for i in range(len(uids) + missing + len(taken)))
@@ -271,6 +323,20 @@ def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: 
     if len(set(uids)) != len(uids):
         raise ValueError("expert uids repeat")
     return uids
+
+
+def _sample_free(pattern: str, count: int, rng: random.Random, exclude: set[str], find_taken) -> list[str]:
+    """`count` uids of the pattern, none in `exclude` nor (through `find_taken`) announced by others."""
+    chosen: list[str] = []
+    for _ in range(SAMPLING_ATTEMPTS):
+        candidates = sample_expert_uids(pattern, count - len(chosen), rng=rng, exclude=exclude | set(chosen))
+        taken = find_taken(candidates) if find_taken is not None else set()
+        chosen += [uid for uid in candidates if uid not in taken]
+        exclude |= taken
+        if len(chosen) == count:
+            return chosen
+    raise ValueError(f"could not find {count} uids of {pattern!r} that no other server announces after "
+                     f"{SAMPLING_ATTEMPTS} rounds ({len(chosen)} found); use a larger grid or fewer experts")
 
 
 def _make_scheduler(name: str, optimizer, num_warmup_steps, num_training_steps):

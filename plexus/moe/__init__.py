@@ -1,15 +1,26 @@
-"""Decentralized mixture-of-experts: expert servers, remote experts, and (with the DHT) expert search.
+"""Decentralized mixture-of-experts: expert servers, remote experts, and expert search in the DHT.
 
-Names follow hivemind.moe. Not here yet: declare_experts / get_experts and the DHT-driven
-RemoteMixtureOfExperts / RemoteSwitchMixtureOfExperts, which wait for the DHT facade.
+Names follow hivemind.moe: a `Server` hosts experts and announces them in a DHT
+(`declare_experts`); clients use one expert (`get_experts` -> `RemoteExpert`) or a whole grid
+through a gated layer (`RemoteMixtureOfExperts`, `RemoteSwitchMixtureOfExperts`).
 """
 
-from .client import RemoteExpert, RemoteExpertError
+from .client import (
+    MoEBeamSearcher,
+    RemoteExpert,
+    RemoteExpertError,
+    RemoteMixtureOfExperts,
+    RemoteSwitchMixtureOfExperts,
+    TooFewExpertsError,
+)
+from .expert_registry import declare_experts, get_experts
 from .expert_uid import FLAT_EXPERT, UID_DELIMITER, ExpertInfo, ExpertPrefix, ExpertUID
 from .schema import BatchTensorDescriptor
 from .server import ModuleBackend, Server, background_server, register_expert_class
 
 __all__ = [
     "FLAT_EXPERT", "UID_DELIMITER", "BatchTensorDescriptor", "ExpertInfo", "ExpertPrefix", "ExpertUID",
-    "ModuleBackend", "RemoteExpert", "RemoteExpertError", "Server", "background_server", "register_expert_class",
+    "MoEBeamSearcher", "ModuleBackend", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts",
+    "RemoteSwitchMixtureOfExperts", "Server", "TooFewExpertsError", "background_server", "declare_experts",
+    "get_experts", "register_expert_class",
 ]

@@ -21,6 +21,17 @@ from .compression import (
     serialize_torch_tensor,
 )
 from .dht.dht import DHT
+from .moe import (
+    ModuleBackend,
+    RemoteExpert,
+    RemoteMixtureOfExperts,
+    RemoteSwitchMixtureOfExperts,
+    Server,
+    background_server,
+    declare_experts,
+    get_experts,
+    register_expert_class,
+)
 from .p2p.identity import PeerID
 from .utils.timing import get_dht_time
 from .version import __version__
@@ -30,4 +41,6 @@ __all__ = [
     "Float16Compression", "NoCompression", "PeerID", "PerTensorCompression", "Quantile8BitQuantization",
     "RoleAdaptiveCompression", "ScaledFloat16Compression", "SizeAdaptiveCompression", "TensorRole",
     "Uniform8BitQuantization", "__version__", "deserialize_torch_tensor", "get_dht_time", "serialize_torch_tensor",
+    "ModuleBackend", "RemoteExpert", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts", "Server",
+    "background_server", "declare_experts", "get_experts", "register_expert_class",
 ]

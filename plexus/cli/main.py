@@ -2,17 +2,18 @@
 
     plexus demo      start two local peers and ping one from the other
     plexus dht       run a DHT peer that others can bootstrap from
+    plexus server    serve mixture-of-experts experts and announce them in the DHT
 """
 
 import argparse
 import sys
 
 from ..utils.logging import use_plexus_log_handler
-from . import demo, dht
+from . import demo, dht, server
 from .config import parse_with_config
 
 
-COMMANDS = {"demo": demo, "dht": dht}
+COMMANDS = {"demo": demo, "dht": dht, "server": server}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,3 +9,10 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     "$venv/bin/python" -m pip install -q torch==2.13.0
 fi
 "$venv/bin/python" -m pip install -q -e ".[test,albert]"
+# The NAT tests (tests/test_nat.py) build network namespaces with iproute2 and nftables. Install them
+# when missing and we are root with apt (as in CI); elsewhere those tests skip and say why.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { command -v ip && command -v nft; } >/dev/null; then
+    apt-get install -y -q iproute2 nftables >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 nftables >/dev/null 2>&1; } \
+        || echo "warning: could not install iproute2 and nftables; tests/test_nat.py needs them" >&2
+fi

@@ -81,6 +81,13 @@ class Swarm:
             await host.shutdown()
 
 
+async def wait_until(predicate, what: str, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        await asyncio.sleep(0.01)  # poll with a deadline
+
+
 def run(coroutine):
     asyncio.run(asyncio.wait_for(coroutine, 30))
 
@@ -93,6 +100,10 @@ def test_private_peers_reach_each_other_through_the_relay():
             b, _ = await swarm.private(reserve=False)
             # A advertises a circuit address through R, and identify carries it.
             assert a.get_visible_maddrs() == [swarm.circuit(a)]
+            # The reservation is pushed to connected peers (identify push), so the relay's peer store,
+            # and through it the DHT, learns A's circuit address.
+            await wait_until(lambda: swarm.circuit(a).without_peer_id() in swarm.relay.peer_info(a.peer_id).addrs,
+                             "the relay to learn A's circuit address")
             stream = await b.new_stream(swarm.circuit(a), ECHO, timeout=TIMEOUT)
             payload = os.urandom(600_000)
             assert await echo_roundtrip(stream, payload) == payload

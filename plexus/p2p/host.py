@@ -432,6 +432,18 @@ class Host:
         await write_delimited(stream, message)
         await stream.close()
 
+    async def push_identify(self, timeout: float = 5.0) -> None:
+        """Send our identify to every connected peer (`/ipfs/id/push/1.0.0`), e.g. once a relay
+        reservation gave us new circuit addresses (called by plexus/p2p/relay.py)."""
+        async def push(peer: PeerID) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._serve_identify(await self.new_stream(peer, identify.IDENTIFY_PUSH_PROTOCOL))
+            except (TimeoutError, ProtocolError, StreamError, ConnectionError) as error:
+                logger.debug(f"identify push to {peer} failed: {_describe(error)}")
+
+        await asyncio.gather(*(push(peer) for peer in self.connected_peers()))
+
     async def _serve_identify_push(self, stream: Stream) -> None:
         data = await read_delimited(stream, identify.MAX_IDENTIFY_SIZE)
         if data is not None:

@@ -350,8 +350,11 @@ class RelayClient:
                 addrs.append(addr)
         reservation = ActiveReservation(relay, relay_addr, answer.reservation.expire, addrs, answer.limit,
                                         answer.reservation.voucher)
+        is_new = relay not in self.reservations
         self.reservations[relay] = reservation
         logger.debug(f"reserved a slot on relay {relay} until {reservation.expire}")
+        if is_new:  # our addresses changed: tell the peers we are connected to (the relay among them)
+            await self.host.push_identify()
         return reservation
 
     async def _keep(self, relay_addr: Multiaddr) -> None:

@@ -1,0 +1,328 @@
+"""Peers behind real NATs, built from Linux network namespaces: relay, DHT and averaging end to end.
+
+Topology (every address in 10.200.0.0/16, which exists only inside these namespaces):
+
+    [pub] 10.200.0.1 on bridge br0  <- "the internet": the public peer runs the DHT and the relay
+      |                    |
+    [r1] wan 10.200.0.11  [r2] wan 10.200.0.12   routers: masquerade out of wan, drop new inbound
+    [r1] lan 10.200.1.1   [r2] lan 10.200.2.1    connections, and know no route to the other LAN
+      |                    |
+    [a] 10.200.1.2        [b] 10.200.2.2         private peers: reach out, cannot be reached
+
+Each peer is a subprocess started with `ip netns exec` running this file's `peer_main`; it reports
+JSON lines on stdout, and the test reads them with deadlines. Namespaces, links and processes are
+removed whatever happens. Needs root, iproute2 and nftables (`.ci/run` installs them); without them
+the test skips, except under CI=true, where it fails.
+"""
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_TIMEOUT = 60.0
+
+
+# --- the lab -----------------------------------------------------------------------------------------
+
+
+def _missing_prerequisite() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (apt-get install iproute2 nftables)"
+    probe = f"pxprobe{os.getpid()}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"`ip netns add` failed: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def require_lab() -> None:
+    reason = _missing_prerequisite()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} -- CI must run the NAT tests", pytrace=False)
+        pytest.skip(reason)
+
+
+ROUTER_RULES = """
+table ip nat {
+    chain postrouting { type nat hook postrouting priority srcnat; policy accept; oifname "wan" masquerade; }
+}
+table inet filter {
+    chain forward { type filter hook forward priority filter; policy accept;
+                    iifname "wan" ct state != { established, related } drop; }
+    chain input { type filter hook input priority filter; policy accept;
+                  iifname "wan" ct state != { established, related } drop; }
+}
+"""
+
+
+class NatLab:
+    """Creates the namespaces above; `close()` removes all of them (and what runs inside)."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.ns = {name: f"px{tag}{name}" for name in ("pub", "r1", "r2", "a", "b")}
+        self.processes: list[subprocess.Popen] = []
+
+    def sh(self, *args: str, ns: str | None = None, stdin: str | None = None) -> str:
+        command = (["ip", "netns", "exec", self.ns[ns]] if ns else []) + list(args)
+        result = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=30)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()}")
+        return result.stdout
+
+    def ip(self, ns: str, *args: str) -> None:
+        self.sh("ip", "-n", self.ns[ns], *args)
+
+    def veth(self, ns1: str, name1: str, ns2: str, name2: str) -> None:
+        self.sh("ip", "link", "add", "pxtmp1", "type", "veth", "peer", "name", "pxtmp2")
+        self.sh("ip", "link", "set", "pxtmp1", "netns", self.ns[ns1])
+        self.sh("ip", "link", "set", "pxtmp2", "netns", self.ns[ns2])
+        self.ip(ns1, "link", "set", "pxtmp1", "name", name1)
+        self.ip(ns2, "link", "set", "pxtmp2", "name", name2)
+
+    def build(self) -> "NatLab":
+        for ns in self.ns.values():
+            self.sh("ip", "netns", "add", ns)
+        for name in self.ns:
+            self.ip(name, "link", "set", "lo", "up")
+        self.ip("pub", "link", "add", "br0", "type", "bridge")
+        self.ip("pub", "addr", "add", "10.200.0.1/24", "dev", "br0")
+        self.ip("pub", "link", "set", "br0", "up")
+        for index, (router, peer) in enumerate((("r1", "a"), ("r2", "b")), start=1):
+            self.veth("pub", f"up{index}", router, "wan")
+            self.ip("pub", "link", "set", f"up{index}", "master", "br0")
+            self.ip("pub", "link", "set", f"up{index}", "up")
+            self.ip(router, "addr", "add", f"10.200.0.{10 + index}/24", "dev", "wan")
+            self.ip(router, "link", "set", "wan", "up")
+            self.veth(router, "lan", peer, "eth0")
+            self.ip(router, "addr", "add", f"10.200.{index}.1/24", "dev", "lan")
+            self.ip(router, "link", "set", "lan", "up")
+            self.ip(peer, "addr", "add", f"10.200.{index}.2/24", "dev", "eth0")
+            self.ip(peer, "link", "set", "eth0", "up")
+            self.ip(peer, "route", "add", "default", "via", f"10.200.{index}.1")
+            self.sh("sysctl", "-q", "-w", "net.ipv4.ip_forward=1", ns=router)
+            self.sh("nft", "-f", "-", ns=router, stdin=ROUTER_RULES)
+        return self
+
+    def spawn(self, ns: str, *args: str) -> "PeerProcess":
+        command = ["ip", "netns", "exec", self.ns[ns], sys.executable, "-m", "tests.test_nat", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        self.processes.append(process)
+        return PeerProcess(ns, process)
+
+    def close(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        for ns in self.ns.values():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class PeerProcess:
+    """A peer subprocess; threads collect its JSON events (stdout) and the tail of its log (stderr)."""
+
+    def __init__(self, name: str, process: subprocess.Popen):
+        self.name, self.process = name, process
+        self.events: dict[str, dict] = {}
+        self._arrived = threading.Condition()
+        self._log: collections.deque[str] = collections.deque(maxlen=60)
+        threading.Thread(target=self._read_events, daemon=True).start()
+        threading.Thread(target=lambda: self._log.extend(process.stderr), daemon=True).start()
+
+    def _read_events(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                message = json.loads(line)
+                with self._arrived:
+                    self.events[message["event"]] = message
+                    self._arrived.notify_all()
+        with self._arrived:
+            self._arrived.notify_all()
+
+    def wait_for(self, event: str, timeout: float = PEER_TIMEOUT) -> dict:
+        """Wait until the peer reports `event`; fail with its log if it exits or the deadline passes."""
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while event not in self.events:
+                left = deadline - time.monotonic()
+                if self.process.poll() is not None or left <= 0:
+                    break
+                self._arrived.wait(min(left, 1.0))
+        if event not in self.events:
+            self.process.kill()
+            self.process.wait()
+            why = f"exited with {self.process.returncode}" if self.process.returncode else f"timed out ({timeout} s)"
+            log = "".join(self._log)
+            raise AssertionError(f"peer {self.name} {why} before reporting {event!r}; its log:\n{log}")
+        return self.events[event]
+
+    def finish(self) -> None:
+        self.process.stdin.close()
+
+
+# --- the test ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging():
+    require_lab()
+    lab = NatLab()
+    try:
+        lab.build()
+        # The routers really are NATs: the public side cannot open a connection to a private peer.
+        assert "unreachable" in lab.sh(sys.executable, "-c", PROBE % ("10.200.1.2", 9), ns="pub")
+        public = lab.spawn("pub", "public", "10.200.0.1")
+        relay = public.wait_for("ready")["maddrs"][0]
+        a = lab.spawn("a", "private", "10.200.1.2", relay, "a", "b")
+        b = lab.spawn("b", "private", "10.200.2.2", relay, "b", "a")
+        for peer in (a, b):
+            ready = peer.wait_for("ready")
+            assert all("/p2p-circuit" in addr for addr in ready["advertised"]), ready
+        results = {peer.name: peer.wait_for("done") for peer in (a, b)}
+        public_dht = public.wait_for("dht")
+        public.finish()
+
+        assert public_dht["values"] == {"a": "from a", "b": "from b", "pub": "from pub"}
+        for name, other in (("a", "b"), ("b", "a")):
+            result = results[name]
+            assert result["dht"] == {"a": "from a", "b": "from b", "pub": "from pub"}, result
+            assert result["ping_relayed"] is True, result
+            assert result["averaged"] == pytest.approx(1.5), result  # mean of 1.0 (a) and 2.0 (b)
+            assert result["group"] == sorted([results["a"]["peer_id"], results["b"]["peer_id"]]), result
+        print("hole punching:", {name: results[name]["hole_punch"] for name in results})
+        print("rtt through the relay (s):", {name: round(results[name]["rtt"], 4) for name in results})
+        if os.environ.get("PLEXUS_NAT_LOGS"):
+            for peer in (public, a, b):
+                print(peer.name, "".join(peer._log))
+    finally:
+        lab.close()
+
+
+PROBE = """
+import socket, sys
+s = socket.socket(); s.settimeout(3)
+try:
+    s.connect((%r, %d)); print("connected")
+except OSError as error:
+    print("unreachable", error)
+"""
+
+
+# --- what runs inside each namespace ------------------------------------------------------------------
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def peer_main(argv: list[str]) -> None:
+    import torch
+
+    from plexus.averaging.averager import DecentralizedAverager
+    from plexus.dht.dht import DHT
+    from plexus.p2p.relay import RelayClient, RelayService
+    from plexus.utils.logging import use_plexus_log_handler
+    from plexus.utils.timing import get_dht_time
+
+    use_plexus_log_handler("WARNING", stream=sys.stderr)
+    role, ip = argv[0], argv[1]
+    listen = [f"/ip4/{ip}/tcp/0"]
+    names = ["a", "b", "pub"]
+    if role == "public":
+        dht = DHT(host_maddrs=listen, start=True)
+        dht.run_coroutine(lambda dht, node: _start_service(dht.host, RelayService))
+        emit("ready", maddrs=[str(addr) for addr in dht.get_visible_maddrs()])
+        me = "pub"
+    else:
+        relay, me, other = argv[2], argv[3], argv[4]
+        dht = DHT(initial_peers=[relay], host_maddrs=listen, start=True)
+        dht.run_coroutine(lambda dht, node: _reserve(dht.host, RelayClient, relay))
+        emit("ready", advertised=[str(addr) for addr in dht.get_visible_maddrs()
+                                  if str(addr).startswith(relay)])
+    dht.store(f"nat_{me}", {"text": f"from {me}", "peer_id": str(dht.peer_id)}, get_dht_time() + 300)
+    values = _wait_for_values(dht, names, get_dht_time)
+    emit("dht", values={name: value["text"] for name, value in values.items()})
+    if role == "public":
+        sys.stdin.read()  # stay up until the test is done with the private peers
+        dht.shutdown()
+        return
+    other_id = values[other]["peer_id"]
+    rtt, relayed = dht.run_coroutine(lambda dht, node: _ping(dht.host, other_id))
+    rank = 1.0 if me == "a" else 2.0
+    averager = DecentralizedAverager([torch.full((1000,), rank)], dht, prefix="nat", target_group_size=2,
+                                     min_matchmaking_time=2.0, request_timeout=2.0, start=True)
+    result = averager.step(gather=str(dht.peer_id), timeout=60)
+    with averager.get_tensors() as tensors:
+        averaged = float(tensors[0].mean())
+    hole_punch = dht.run_coroutine(lambda dht, node: _hole_punch(dht.host, other_id))
+    emit("done", peer_id=str(dht.peer_id), dht={name: value["text"] for name, value in values.items()},
+         ping_relayed=relayed, rtt=rtt, averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
+    averager.shutdown()
+    dht.shutdown()
+
+
+async def _start_service(host, service_class):
+    service_class(host).start()
+
+
+async def _reserve(host, client_class, relay):
+    client = client_class(host).start()
+    host.relay_client = client
+    await client.reserve(relay)
+
+
+async def _ping(host, peer_id_text):
+    from plexus.p2p.identity import PeerID
+
+    peer = PeerID.from_string(peer_id_text)
+    rtt = await host.ping(peer, timeout=20)
+    return rtt, bool(getattr(host.get_connection(peer), "relayed", False))
+
+
+async def _hole_punch(host, peer_id_text):
+    """Hole punching is reported, not required (filled in by the DCUtR driver when present)."""
+    try:
+        from plexus.p2p.dcutr import try_direct_upgrade
+    except ImportError:
+        return "not implemented"
+    from plexus.p2p.identity import PeerID
+
+    return await try_direct_upgrade(host, PeerID.from_string(peer_id_text))
+
+
+def _wait_for_values(dht, names, clock, timeout: float = 40.0) -> dict:
+    deadline = time.monotonic() + timeout
+    values = {}
+    while len(values) < len(names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only found DHT values {sorted(values)} of {names}")
+        for name in names:
+            if name not in values and (found := dht.get(f"nat_{name}", latest=True)) is not None:
+                values[name] = found.value
+        if len(values) < len(names):
+            time.sleep(0.2)  # poll the DHT; the deadline above bounds the wait
+    return values
+
+
+if __name__ == "__main__":
+    peer_main(sys.argv[1:])

@@ -16,13 +16,14 @@ from plexus.optim.power_sgd_averager import PowerSGDGradientAverager, matrix_sha
 
 pytestmark = pytest.mark.timeout(60)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5)
+FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5, start=True)
 
 
 @pytest.fixture(scope="module")
 def swarm():
     first = DHT(start=True, host_maddrs=LOCAL)
-    dhts = [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(3)]
+    dhts = [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL)
+                      for _ in range(3)]
     yield dhts
     for dht in dhts:
         dht.shutdown()
@@ -30,7 +31,8 @@ def swarm():
 
 def make_params(seed: int = 0, dtype=torch.float32) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in [(5, 3), (3,), (2, 2, 2)]]
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
+            for shape in [(5, 3), (3,), (2, 2, 2)]]
 
 
 def set_grads(params, seed: int) -> list[torch.Tensor]:
@@ -54,7 +56,7 @@ def shutdown(*averagers) -> None:
 @pytest.mark.parametrize("n, samples", [(2, [8, 8]), (3, [1, 5, 10]), (4, [3, 3, 3, 3])])
 def test_sample_weighted_mean(swarm, n, samples):
     peers = [make_params(i) for i in range(n)]
-    averagers = [GradientAverager(params, dht=dht, prefix=f"mean{n}", target_group_size=n, start=True, **FAST)
+    averagers = [GradientAverager(params, dht=dht, prefix=f"mean{n}", target_group_size=n, **FAST)
                  for params, dht in zip(peers, swarm)]
     try:
         local = []
@@ -79,9 +81,9 @@ def test_sample_weighted_mean(swarm, n, samples):
 def test_accumulation_over_unequal_micro_batches_into_given_buffers(swarm):
     peers = [make_params(i) for i in range(2)]
     buffers = [torch.zeros(p.shape) for p in peers[0]]
-    a = GradientAverager(peers[0], dht=swarm[0], prefix="accumulate", averaged_grads=buffers, target_group_size=2,
-                         start=True, **FAST)
-    b = GradientAverager(peers[1], dht=swarm[1], prefix="accumulate", target_group_size=2, start=True, **FAST)
+    a = GradientAverager(peers[0], dht=swarm[0], prefix="accumulate", averaged_grads=buffers,
+                         target_group_size=2, **FAST)
+    b = GradientAverager(peers[1], dht=swarm[1], prefix="accumulate", target_group_size=2, **FAST)
     try:
         sizes, total = [4, 2, 6], [torch.zeros(p.shape, dtype=torch.float64) for p in peers[0]]
         for k, size in enumerate(sizes):  # each .grad is the mean over its micro-batch
@@ -111,7 +113,7 @@ def test_reuse_grad_buffers_matches_the_full_batch_gradient(swarm):
         model.load_state_dict(template.state_dict())
     data = [torch.randn(4, 6) for _ in range(4)]  # two micro-batches of 4 per peer
     averagers = [GradientAverager(model.parameters(), dht=dht, prefix="reuse", reuse_grad_buffers=True,
-                                  target_group_size=2, start=True, **FAST) for model, dht in zip(models, swarm)]
+                                  target_group_size=2, **FAST) for model, dht in zip(models, swarm)]
     try:
         for i, (model, averager) in enumerate(zip(models, averagers)):
             for batch in data[2 * i:2 * i + 2]:
@@ -122,7 +124,8 @@ def test_reuse_grad_buffers_matches_the_full_batch_gradient(swarm):
             control.result()
         template(torch.cat(data)).square().mean().backward()
         for model, averager in zip(models, averagers):
-            assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters()), "reset zeroes .grad"
+            for param in model.parameters():
+                assert torch.equal(param.grad, torch.zeros_like(param)), "the reset zeroes .grad"
             for got, param in zip(averaged(averager), template.parameters()):
                 assert torch.allclose(got, param.grad, atol=1e-6)
     finally:
@@ -139,7 +142,7 @@ def wait_for_stage(control, stage, timeout: float = 15.0) -> None:
 
 def test_schedule_step_matches_ahead_and_waits_for_the_trigger(swarm):
     peers = [make_params(i) for i in range(2)]
-    averagers = [GradientAverager(params, dht=dht, prefix="scheduled", target_group_size=2, start=True, **FAST)
+    averagers = [GradientAverager(params, dht=dht, prefix="scheduled", target_group_size=2, **FAST)
                  for params, dht in zip(peers, swarm)]
     try:
         controls = [averager.schedule_step(timeout=20) for averager in averagers]
@@ -149,7 +152,8 @@ def test_schedule_step_matches_ahead_and_waits_for_the_trigger(swarm):
         for i, (params, averager) in enumerate(zip(peers, averagers)):
             local.append(set_grads(params, i))
             averager.accumulate_grads_(1 + 3 * i)
-        results = [averager.step(control=control, wait=False) for averager, control in zip(averagers, controls)]
+        results = [averager.step(control=control, wait=False)
+                   for averager, control in zip(averagers, controls)]
         for result in results:
             assert len(result.result(20)) == 2
         expected = [(1 * g0.double() + 4 * g1.double()) / 5 for g0, g1 in zip(*local)]
@@ -163,7 +167,7 @@ def test_schedule_step_matches_ahead_and_waits_for_the_trigger(swarm):
 
 def test_a_peer_without_a_group_is_told_and_keeps_its_local_gradients(swarm):
     params = make_params(0)
-    averager = GradientAverager(params, dht=swarm[0], prefix="alone", target_group_size=2, start=True, **FAST)
+    averager = GradientAverager(params, dht=swarm[0], prefix="alone", target_group_size=2, **FAST)
     try:
         sizes, grads = [2, 6], [set_grads(params, 30)]
         averager.accumulate_grads_(sizes[0])
@@ -174,13 +178,25 @@ def test_a_peer_without_a_group_is_told_and_keeps_its_local_gradients(swarm):
         expected = [(2 * a.double() + 6 * b.double()) / 8 for a, b in zip(*grads)]
         for got, want in zip(averaged(averager), expected):
             assert torch.allclose(got.double(), want, atol=1e-6), "the local mean gradient is kept"
+
+        control = averager.schedule_step(timeout=1)  # pre-scheduled, and already failed when triggered
+        grads = set_grads(params, 32)
+        averager.accumulate_grads_(3)
+        deadline = time.monotonic() + 15
+        while not control.done():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(AveragingError, match="could not find a group"):
+            averager.step(control=control)
+        for got, want in zip(averaged(averager), grads):
+            assert torch.allclose(got, want, atol=1e-6)
     finally:
         averager.shutdown()
 
 
 # --- PowerSGD -----------------------------------------------------------------------------------
 
-POWER_SHAPES = [(16, 12), (4, 6, 8), (12,), (2, 3)]  # factorised, factorised as 24x8, whole, whole (too small)
+POWER_SHAPES = [(16, 12), (4, 6, 8), (12,), (2, 3)]  # factorised, as 24x8, whole, whole (too small)
 
 
 def power_params(seed: int, dtype=torch.float32) -> list[torch.nn.Parameter]:
@@ -206,13 +222,14 @@ def reference_round(grads_per_peer, weights, qs, errors):
 def test_powersgd_matches_a_local_reference_and_feeds_back_its_error(swarm):
     n, weights = 3, [2, 1, 5]
     peers = [power_params(i) for i in range(n)]
-    averagers = [PowerSGDGradientAverager(params, 2, dht=dht, prefix="power", target_group_size=n, start=True, **FAST)
+    averagers = [PowerSGDGradientAverager(params, 2, dht=dht, prefix="power", target_group_size=n, **FAST)
                  for params, dht in zip(peers, swarm)]
     try:
         _, qs, _ = averagers[0].get_current_state()
         assert [tuple(q.shape) for q in qs] == [(12, 2), (8, 2)], "only the two big tensors are factorised"
         for other in averagers[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(qs, other.get_current_state()[1])), "everyone starts alike"
+            for a, b in zip(qs, other.get_current_state()[1]):
+                assert torch.equal(a, b), "everyone starts from the same Q"
         qs = [q.double() for q in qs]
         errors = [[torch.zeros(16, 12, dtype=torch.float64), torch.zeros(24, 8, dtype=torch.float64)]] * n
         for round_index in range(2):
@@ -231,9 +248,9 @@ def test_powersgd_matches_a_local_reference_and_feeds_back_its_error(swarm):
                     assert torch.allclose(got.double(), want, atol=1e-4), "Q is shared state"
             for averager, want in zip(averagers, errors):
                 for got, target in zip(averager._ms, want):
-                    assert torch.allclose(got.double(), target, atol=1e-4), "error feedback carries the residual"
+                    assert torch.allclose(got.double(), target, atol=1e-4), "error feedback: the residual"
             assert any(e.abs().max() > 1e-3 for peer in errors for e in peer), "rank 2 is lossy here"
-        newcomer = PowerSGDGradientAverager(power_params(9), 2, dht=swarm[3], prefix="power", start=True, **FAST)
+        newcomer = PowerSGDGradientAverager(power_params(9), 2, dht=swarm[3], prefix="power", **FAST)
         averagers.append(newcomer)
         assert newcomer.load_state_from_peers(timeout=15) is not None
         for got, want in zip(newcomer.get_current_state()[1], qs):
@@ -255,8 +272,8 @@ def test_matrix_views_and_orthogonalisation():
 def test_powersgd_with_bf16_gradients(swarm):
     weights = [1, 3]
     peers = [power_params(i, torch.bfloat16) for i in range(2)]
-    averagers = [PowerSGDGradientAverager(params, 2, dht=dht, prefix="power16", target_group_size=2, start=True,
-                                          **FAST) for params, dht in zip(peers, swarm)]
+    averagers = [PowerSGDGradientAverager(params, 2, dht=dht, prefix="power16", target_group_size=2, **FAST)
+                 for params, dht in zip(peers, swarm)]
     try:
         qs = [q.double() for q in averagers[0].get_current_state()[1]]
         local = []
@@ -276,8 +293,8 @@ def test_powersgd_with_bf16_gradients(swarm):
 
 def test_powersgd_and_plain_peers_refuse_each_other_cleanly(swarm):
     power = PowerSGDGradientAverager(power_params(0), 2, dht=swarm[0], prefix="mixed", target_group_size=2,
-                                     start=True, **FAST)
-    plain = GradientAverager(power_params(1), dht=swarm[1], prefix="mixed", target_group_size=2, start=True, **FAST)
+                                     **FAST)
+    plain = GradientAverager(power_params(1), dht=swarm[1], prefix="mixed", target_group_size=2, **FAST)
     try:
         assert power.schema_hash != plain.schema_hash
         controls = [averager.step(wait=False, timeout=3) for averager in (power, plain)]

@@ -86,7 +86,7 @@ def test_infs_reset_the_accumulation_and_back_off_at_once():
         scaler.update()
     assert opt.global_steps == 2
     assert scaler.get_scale() == 2.0**8
-    assert torch.allclose(weight.detach(), torch.full((3,), -0.5 * 2 * 2)), "two steps on the sum of two grads"
+    assert torch.allclose(weight.detach(), torch.full((3,), -0.5 * 2 * 2)), "two steps, each on two grads"
 
 
 def test_infs_found_in_the_global_step_skip_it():

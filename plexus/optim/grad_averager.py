@@ -66,22 +66,24 @@ class GradientAverager(DecentralizedAverager):
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter], *, dht: DHT, prefix: str,
                  reuse_grad_buffers: bool = False, accumulate_grads_on: torch.device | None = None,
-                 client_mode: bool | None = None, warn: bool = True, averaged_grads: Sequence[torch.Tensor] = (),
-                 **averager_kwargs):
+                 client_mode: bool | None = None, warn: bool = True,
+                 averaged_grads: Sequence[torch.Tensor] = (), **averager_kwargs):
         self.parameters = tuple(parameters)
         if not self.parameters:
             raise ValueError("GradientAverager needs at least one parameter")
         self.reuse_grad_buffers, self.warn = reuse_grad_buffers, warn
         if reuse_grad_buffers and accumulate_grads_on is not None:
-            logger.warning("accumulate_grads_on is ignored with reuse_grad_buffers=True: the .grad buffers accumulate")
+            logger.warning("accumulate_grads_on is ignored with reuse_grad_buffers=True: "
+                           "the .grad buffers accumulate")
         if reuse_grad_buffers:
             for param in self.parameters:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             self._accumulators: list[torch.Tensor] = []
         else:
-            self._accumulators = [torch.zeros(param.shape, dtype=torch.float32, device=accumulate_grads_on or param.device)
-                                  for param in self.parameters]
+            self._accumulators = [
+                torch.zeros(param.shape, dtype=torch.float32, device=accumulate_grads_on or param.device)
+                for param in self.parameters]
         self._samples, self._times, self._steps = 0, 0, 0.0
         self._anchor_batch_size: int | None = None
         self._accumulators_used_in_step = False
@@ -94,8 +96,8 @@ class GradientAverager(DecentralizedAverager):
         infos = [CompressionInfo.from_tensor(buffer, key=index, role=TensorRole.GRADIENT)
                  for index, buffer in enumerate(buffers)]
         start = averager_kwargs.pop("start", False)
-        super().__init__(buffers, dht, prefix=prefix, client_mode=client_mode, tensor_infos=infos, start=False,
-                         **averager_kwargs)
+        super().__init__(buffers, dht, prefix=prefix, client_mode=client_mode, tensor_infos=infos,
+                         start=False, **averager_kwargs)
         if averaged_grads:
             self._tensors = averaged_grads  # average in place into the caller's buffers, no copy
         if start:
@@ -103,12 +105,14 @@ class GradientAverager(DecentralizedAverager):
 
     def _check_averaged_grads(self, averaged_grads: list[torch.Tensor]) -> None:
         if len(averaged_grads) != len(self.parameters):
-            raise ValueError(f"averaged_grads has {len(averaged_grads)} tensors for {len(self.parameters)} parameters")
+            raise ValueError(f"averaged_grads has {len(averaged_grads)} tensors for "
+                             f"{len(self.parameters)} parameters")
         for index, (buffer, param) in enumerate(zip(averaged_grads, self.parameters)):
             if buffer.shape != param.shape or buffer.device.type != "cpu" or not buffer.is_contiguous() \
                     or not buffer.is_floating_point():
                 raise ValueError(f"averaged_grads[{index}] must be a contiguous floating CPU tensor of shape "
-                                 f"{tuple(param.shape)}, got {buffer.dtype} {tuple(buffer.shape)} on {buffer.device}")
+                                 f"{tuple(param.shape)}, got {buffer.dtype} {tuple(buffer.shape)} "
+                                 f"on {buffer.device}")
 
     # --- accumulation (training thread) ----------------------------------------------------------
 
@@ -132,7 +136,8 @@ class GradientAverager(DecentralizedAverager):
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if self._accumulators_used_in_step and self.warn:
             logger.warning("accumulating gradients on top of those already sent to an averaging round "
-                           "(step(reset_accumulators=False)); call reset_accumulated_grads_() first if unintended")
+                           "(step(reset_accumulators=False)); call reset_accumulated_grads_() first "
+                           "if unintended")
             self._accumulators_used_in_step = False  # warn once per round
         if self._anchor_batch_size is None:
             self._anchor_batch_size = batch_size
@@ -150,8 +155,8 @@ class GradientAverager(DecentralizedAverager):
     def load_accumulators_into_averager_(self) -> None:
         """Write this peer's mean gradient per sample (accumulators / steps) into the averaged grads."""
         if self._new_averaged_grads and self.warn:
-            logger.warning("overwriting averaged gradients that were never used; call use_averaged_gradients() or "
-                           "notify_used_averaged_gradients() after each round")
+            logger.warning("overwriting averaged gradients that were never used; call "
+                           "use_averaged_gradients() or notify_used_averaged_gradients() after each round")
         sources = self._grads() if self.reuse_grad_buffers else self._accumulators
         steps = self._times if self.reuse_grad_buffers else self._steps
         with self.get_tensors() as averaged:
@@ -180,15 +185,16 @@ class GradientAverager(DecentralizedAverager):
         kwargs go to DecentralizedAverager.step (timeout, gather, allow_retries, ...)."""
         return super().step(scheduled_time=scheduled_time, wait=False, require_trigger=True, **kwargs)
 
-    def step(self, weight: float | None = None, reset_accumulators: bool = True, control: StepControl | None = None,
-             timeout: float | None = None, wait: bool = True, **kwargs):
+    def step(self, weight: float | None = None, reset_accumulators: bool = True,
+             control: StepControl | None = None, timeout: float | None = None, wait: bool = True, **kwargs):
         """Average the accumulated gradients with a group; the result lands in the averaged grads.
 
         Args:
             weight: this peer's weight (default: local_samples_accumulated).
             reset_accumulators: zero the accumulators once they are loaded into the round.
             control: a StepControl from schedule_step (default: schedule one now).
-            timeout: the whole step's deadline when scheduling here; else how long to wait.
+            timeout: the whole step's deadline when scheduling here (default 60 s); with `control`,
+                how long to wait for its result (its deadline was set by schedule_step).
             wait: block for the result, or return the StepControl.
             **kwargs: to schedule_step, when `control` is None.
 
@@ -196,7 +202,8 @@ class GradientAverager(DecentralizedAverager):
         Raises AveragingError (from `result()` with wait=False) if no round succeeded; the averaged
         gradients then hold this peer's own mean gradient.
         """
-        if control is None:
+        scheduled_here = control is None
+        if scheduled_here:
             control = self.schedule_step(timeout=timeout, **kwargs)
         elif kwargs:
             raise TypeError(f"{sorted(kwargs)} belong to schedule_step; this control was scheduled already")
@@ -215,7 +222,9 @@ class GradientAverager(DecentralizedAverager):
         control.allow_allreduce()
         if reset_accumulators:
             self.reset_accumulated_grads_()
-        return control.result(timeout) if wait else control
+        if not wait:
+            return control
+        return control.result(None if scheduled_here else timeout)  # the step's own deadline bounds it
 
     # --- using the result (training thread) ------------------------------------------------------
 

@@ -117,8 +117,9 @@ class GradScaler(torch.amp.GradScaler):
                 self._stepped_globally = True
                 return result
             if not _takes_grad_scaler(optimizer):
-                raise TypeError(f"plexus.GradScaler steps a plexus.Optimizer (whose step takes grad_scaler=), got "
-                                f"{type(optimizer).__name__}; for purely local training use torch.amp.GradScaler")
+                raise TypeError(f"plexus.GradScaler steps a plexus.Optimizer (whose step takes "
+                                f"grad_scaler=), got {type(optimizer).__name__}; for purely local "
+                                f"training use torch.amp.GradScaler")
             self._check_scale_growth_tracker("step")
             if id(optimizer) not in self._finite:
                 self.are_grads_finite(optimizer)
@@ -138,7 +139,8 @@ class GradScaler(torch.amp.GradScaler):
                     scale, growth_tracker = self._check_scale_growth_tracker("update")
                     scale.mul_(self._backoff_factor)
                     growth_tracker.fill_(0)
-                    logger.debug(f"non-finite gradients between global steps: loss scale backs off to {scale.item()}")
+                    logger.debug(f"non-finite gradients between global steps: loss scale backs off "
+                                 f"to {scale.item()}")
                 return False
             finally:
                 self._stepped_globally = self._infs_between_steps = False

@@ -102,7 +102,8 @@ class PowerSGDGradientAverager(GradientAverager):
         if not 0 <= min_compression_ratio < 1:
             raise ValueError(f"min_compression_ratio must be in [0, 1), got {min_compression_ratio}")
         if kwargs.get("averaging_alpha", 1.0) != 1.0:
-            raise ValueError("PowerSGD needs averaging_alpha=1: every member must end each phase with the same factors")
+            raise ValueError("PowerSGD needs averaging_alpha=1: every member must end each phase "
+                             "with the same factors")
         parameters = tuple(parameters)
         self.rank, self.min_compression_ratio = averager_rank, min_compression_ratio
         self._matrices: dict[int, tuple[int, int]] = {}  # parameter index -> (n, m), factorised tensors only
@@ -143,10 +144,11 @@ class PowerSGDGradientAverager(GradientAverager):
             return self._adopt_state(super().load_state_from_peers(wait=True, timeout=timeout))
         future: concurrent.futures.Future = concurrent.futures.Future()
 
+        download = super().load_state_from_peers
+
         def load() -> None:
             try:
-                future.set_result(self._adopt_state(super(PowerSGDGradientAverager, self).load_state_from_peers(
-                    wait=True, timeout=timeout)))
+                future.set_result(self._adopt_state(download(wait=True, timeout=timeout)))
             except BaseException as error:  # handed to whoever waits on the future
                 future.set_exception(error)
 
@@ -158,8 +160,9 @@ class PowerSGDGradientAverager(GradientAverager):
             return None
         metadata, tensors = state
         if [tuple(t.shape) for t in tensors] != [tuple(q.shape) for q in self._qs]:
-            logger.warning(f"{self.prefix}: a peer's PowerSGD state has shapes {[tuple(t.shape) for t in tensors]}, "
-                           f"ours {[tuple(q.shape) for q in self._qs]} (another rank or model?); keeping our Q")
+            logger.warning(f"{self.prefix}: a peer's PowerSGD state has shapes "
+                           f"{[tuple(t.shape) for t in tensors]}, ours {[tuple(q.shape) for q in self._qs]} "
+                           f"(another rank or model?); keeping our Q")
             return state
         with self.get_tensors():
             for q, loaded in zip(self._qs, tensors):
@@ -174,16 +177,18 @@ class PowerSGDGradientAverager(GradientAverager):
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
                 raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
         modes = [AveragingMode(member[1]) for member in members]
-        bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)]
+        bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0]
+                      for member, mode in zip(members, modes)]
         loop = asyncio.get_running_loop()
 
-        async with self._locked():  # snapshot: the training thread may write the averaged grads once we let go
+        async with self._locked():  # a snapshot: the training thread may write them once we let go
             grads = [tensor.to(torch.float32, copy=True) for tensor in self._tensors]
             plain = [self._tensors[index].clone() for index in self._plain]
             qs = [q.clone() for q in self._qs]
 
         def phase_p() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            ms = [error.add(grads[index].view(n, m)) for error, (index, (n, m)) in zip(self._ms, self._matrices.items())]
+            ms = [error.add(grads[index].view(n, m))
+                  for error, (index, (n, m)) in zip(self._ms, self._matrices.items())]
             return ms, [mt @ q for mt, q in zip(ms, qs)]
 
         ms, ps = await loop.run_in_executor(None, phase_p)
@@ -224,7 +229,8 @@ class PowerSGDGradientAverager(GradientAverager):
         finally:
             self._lock.release()
 
-    async def _run_phase(self, group, tag: bytes, tensors: list[torch.Tensor], modes, bandwidths, weight: float):
+    async def _run_phase(self, group, tag: bytes, tensors: list[torch.Tensor], modes, bandwidths,
+                         weight: float) -> None:
         if not tensors:
             return
         sizes = load_balance_peers(sum(t.numel() for t in tensors), bandwidths, self.min_vector_size)
@@ -232,12 +238,14 @@ class PowerSGDGradientAverager(GradientAverager):
                  for i, t in enumerate(tensors)]
         runner = AllReduceRunner(
             self.dht.host, group.group_id + b"." + tag, tensors, group.peer_ids, sizes, modes, weight,
-            self.compression, self.part_size_bytes, self.sender_timeout, self.reducer_timeout, tensor_infos=infos)
+            self.compression, self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
+            tensor_infos=infos)
         with _routers[self.dht.host].register(runner):
             async with asyncio.timeout(self.allreduce_timeout):
                 report = await runner.run()
         if report.failed_spans:
             failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total}: {f.reason})"
                                for f in report.failed_spans)
-            raise PowerSGDPhaseError(f"PowerSGD phase {tag.decode()} in group {group.group_id.hex()[:8]} kept local "
-                                     f"values for some spans ({failed}); the factors would differ between peers")
+            raise PowerSGDPhaseError(f"PowerSGD phase {tag.decode()} in group {group.group_id.hex()[:8]} "
+                                     f"kept local values for some spans ({failed}); the factors would "
+                                     f"differ between peers")

@@ -21,6 +21,7 @@ import concurrent.futures
 from collections.abc import Sequence
 
 from ..dht.node import DHTNode
+from ..dht.routing import DHTID
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
 from ..utils.timing import DHTExpiration
@@ -77,6 +78,21 @@ def declare_experts(dht, uids: Sequence[ExpertUID], expiration_time: DHTExpirati
     return dht.run_coroutine(declare, return_future=not wait)
 
 
+async def learn_addresses(node: DHTNode, host: Host, peer_ids: Sequence[PeerID]) -> None:
+    """Look up, in one DHT traversal, the addresses of the peers the host cannot dial yet.
+
+    The host's own peer routing does the same lookup lazily, from inside a dial; there the lookup
+    may query the very peer being dialed, join that pending dial and stall until the DHT's
+    wait_timeout. Doing it first, outside any dial, avoids that.
+    """
+    unknown = [peer for peer in dict.fromkeys(peer_ids)
+               if peer != host.peer_id and host.get_connection(peer) is None
+               and not getattr(host.peer_info(peer), "addrs", None)]
+    if unknown:
+        await node.find_nearest_nodes([DHTID.generate(source=peer.to_bytes()) for peer in unknown],
+                                      exclude_self=True)
+
+
 def _peer_id(text: object) -> PeerID | None:
     if not isinstance(text, str) or len(text) > 128:
         return None
@@ -97,6 +113,7 @@ async def get_experts_async(node: DHTNode, host: Host, uids: Sequence[ExpertUID]
         record = found.get(uid)
         peer_id = _peer_id(record.value) if record is not None else None
         experts.append(RemoteExpert(ExpertInfo(uid, peer_id), host) if peer_id is not None else None)
+    await learn_addresses(node, host, [expert.peer_id for expert in experts if expert is not None])
     return experts
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from ...dht.node import DHTNode
 from ...utils.logging import get_logger
 from ...utils.timing import get_dht_time
-from ..expert_registry import EMPTY_PREFIX_SUBKEY, parse_successors
+from ..expert_registry import EMPTY_PREFIX_SUBKEY, learn_addresses, parse_successors
 from ..expert_uid import UID_DELIMITER, ExpertInfo, ExpertPrefix
 from .beam import BeamSearch, Successors
 from .expert import RemoteExpert
@@ -117,7 +117,9 @@ class MoEBeamSearcher:
                           return_future: bool = False) -> list[RemoteExpert] | concurrent.futures.Future:
         """The `beam_size` best experts for one sample's per-dimension scores, best first."""
         async def search(dht, node):
-            return self._remote(await self.find_best_experts_async(node, grid_scores, beam_size))
+            infos = await self.find_best_experts_async(node, grid_scores, beam_size)
+            await learn_addresses(node, dht.host, [info.peer_id for info in infos])
+            return self._remote(infos)
         return self.dht.run_coroutine(search, return_future=return_future)
 
     def batch_find_best_experts(self, batch_grid_scores: Sequence, beam_size: int,
@@ -127,7 +129,9 @@ class MoEBeamSearcher:
         samples = _samples(batch_grid_scores, len(self.grid_size))
 
         async def search(dht, node):
-            return [self._remote(infos) for infos in await self.batch_find_best_experts_async(node, samples, beam_size)]
+            found = await self.batch_find_best_experts_async(node, samples, beam_size)
+            await learn_addresses(node, dht.host, [info.peer_id for infos in found for info in infos])
+            return [self._remote(infos) for infos in found]
         return self.dht.run_coroutine(search, return_future=return_future)
 
     def get_active_successors(self, prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:

@@ -20,6 +20,7 @@ from torch import nn
 
 from ...utils.background_loop import get_background_loop
 from ...utils.logging import get_logger
+from ..expert_registry import learn_addresses
 from ..expert_uid import UID_DELIMITER, ExpertInfo
 from ..messages import ExpertSchema
 from .beam_search import MoEBeamSearcher
@@ -111,6 +112,8 @@ class RemoteMixtureOfExperts(nn.Module):
         try:
             async with asyncio.timeout(timeout):
                 chosen = await self.beam_search.batch_find_best_experts_async(node, samples, self.k_best)
+                phase = "finding the experts' servers"
+                await learn_addresses(node, self.dht.host, [e.peer_id for experts in chosen for e in experts])
                 if self._schema is None:
                     phase = "fetching the experts' schema"
                     self._schema = await self._fetch_schema(chosen, timeout)

@@ -329,14 +329,17 @@ def _sample_free(pattern: str, count: int, rng: random.Random, exclude: set[str]
     """`count` uids of the pattern, none in `exclude` nor (through `find_taken`) announced by others."""
     chosen: list[str] = []
     for _ in range(SAMPLING_ATTEMPTS):
-        candidates = sample_expert_uids(pattern, count - len(chosen), rng=rng, exclude=exclude | set(chosen))
+        try:
+            candidates = sample_expert_uids(pattern, count - len(chosen), rng=rng, exclude=exclude | set(chosen))
+        except ValueError:  # fewer free uids in the grid than still needed
+            break
         taken = find_taken(candidates) if find_taken is not None else set()
         chosen += [uid for uid in candidates if uid not in taken]
         exclude |= taken
         if len(chosen) == count:
             return chosen
-    raise ValueError(f"could not find {count} uids of {pattern!r} that no other server announces after "
-                     f"{SAMPLING_ATTEMPTS} rounds ({len(chosen)} found); use a larger grid or fewer experts")
+    raise ValueError(f"could not find {count} uids of {pattern!r} that no other server announces "
+                     f"({len(chosen)} found, {len(exclude)} taken); use a larger grid or fewer experts")
 
 
 def _make_scheduler(name: str, optimizer, num_warmup_steps, num_training_steps):

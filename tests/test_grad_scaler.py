@@ -1,6 +1,9 @@
 """plexus.GradScaler on CPU: micro-batches leave gradients scaled, one real unscale and step per
 global step, infs reset the accumulation and back the scale off, growth counts only real steps."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -130,3 +133,14 @@ def test_disabled_scaler_passes_through():
     scaler.step(torch.optim.SGD([weight], lr=1.0))
     assert scaler.update() is False
     assert torch.equal(weight.detach(), -torch.ones(2))
+
+
+def test_scaler_pickles_and_copies():
+    scaler = GradScaler("cpu", init_scale=8.0)
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert copy.deepcopy(scaler).get_scale() == clone.get_scale() == 8.0
+    weight = torch.nn.Parameter(torch.zeros(2))
+    opt = Collaborative([weight], every=1)
+    micro_batch(clone, weight, torch.ones(2))
+    clone.step(opt)
+    assert clone.update() is True

@@ -59,8 +59,9 @@ class GradientAverager(DecentralizedAverager):
         accumulate_grads_on: device of the float32 accumulators (default: each gradient's device).
         client_mode: connect out only (default: the DHT's mode).
         warn: log when accumulators or averaged gradients look misused.
-        averaged_grads: CPU tensors (one per parameter, contiguous, floating) to average into,
-            used as they are (not copied), e.g. the `.grad` of an offloaded optimizer's parameters.
+        averaged_grads: CPU tensors (one per parameter, contiguous, floating, no requires_grad) to
+            average into, used as they are (not copied), e.g. the `.grad` of an offloaded
+            optimizer's parameters.
         **averager_kwargs: to DecentralizedAverager (start, target_group_size, compression, ...).
     """
 
@@ -109,7 +110,7 @@ class GradientAverager(DecentralizedAverager):
                              f"{len(self.parameters)} parameters")
         for index, (buffer, param) in enumerate(zip(averaged_grads, self.parameters)):
             if buffer.shape != param.shape or buffer.device.type != "cpu" or not buffer.is_contiguous() \
-                    or not buffer.is_floating_point():
+                    or not buffer.is_floating_point() or buffer.requires_grad:
                 raise ValueError(f"averaged_grads[{index}] must be a contiguous floating CPU tensor of shape "
                                  f"{tuple(param.shape)}, got {buffer.dtype} {tuple(buffer.shape)} "
                                  f"on {buffer.device}")

@@ -147,6 +147,15 @@ class GradScaler(torch.amp.GradScaler):
                 self._finite.clear()
                 self._per_optimizer_states.clear()
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("_lock", None)  # locks do not pickle; a copy gets its own
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._lock = threading.RLock()
+
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         # fp16 master weights (reuse_grad_buffers with AMP) hold fp16 gradients: unscaling them is fine
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)

@@ -33,7 +33,8 @@ class Collaborative:
             return
         with grad_scaler.running_global_step():
             assert grad_scaler.unscale_(self)  # before averaging, as the Optimizer does
-            self.seen_in_global_step = [p.grad.clone() for p in self.inner.param_groups[0]["params"]]
+        self.seen_in_global_step = [p.grad.clone() for p in self.inner.param_groups[0]["params"]]  # averaging
+        with grad_scaler.running_global_step():
             grad_scaler.step(self.inner)
         self.global_steps += 1
         self.micro = 0

@@ -15,7 +15,8 @@ again) and count each call as a successful step towards growing the scale. So:
 * inside `running_global_step()` (entered by the Optimizer), `unscale_` unscales for real, once
   per global step (typically the accumulated `.grad` before they are averaged), and `step` is
   torch's step on the inner optimizer: it unscales the inner optimizer's gradients itself unless
-  `unscale_` already ran in this global step, and skips the step if that found infs. The next
+  `unscale_` already ran in this global step (since the last `update`), and skips the step if that
+  found infs. The Optimizer may enter the block twice (unscale, average outside, step). The next
   `update` is a real one: backoff on infs, growth after `growth_interval` consecutive real steps;
 * unscaling fp16 gradients is allowed (`allow_fp16`): fp16 master weights are the point of using
   reuse_grad_buffers with AMP.
@@ -53,15 +54,17 @@ class GradScaler(torch.amp.GradScaler):
 
     @contextlib.contextmanager
     def running_global_step(self) -> Iterator[None]:
-        """Inside this block unscale_/step act for real (the Optimizer's global step)."""
+        """Inside this block unscale_/step act for real (the Optimizer's global step).
+
+        The block holds the scaler's lock, so keep it short: enter it once to unscale_ and again
+        to step the inner optimizer, and average in between, outside it. What unscale_ found
+        holds until update()."""
         with self._lock:
             was_running, self._running_global_step = self._running_global_step, True
             try:
                 yield
             finally:
                 self._running_global_step = was_running
-                if not was_running:
-                    self._global_found_inf = None
 
     @property
     def is_running_global_step(self) -> bool:
@@ -92,8 +95,8 @@ class GradScaler(torch.amp.GradScaler):
         with self._lock:
             if self._running_global_step:
                 if self._global_found_inf is not None:
-                    raise RuntimeError("unscale_() was already called during this global step: gradients are "
-                                       "unscaled once per global step")
+                    raise RuntimeError("unscale_() was already called during this global step: gradients "
+                                       "are unscaled once per global step (until update())")
                 super().unscale_(optimizer)
                 self._global_found_inf = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
                 return True
@@ -144,6 +147,7 @@ class GradScaler(torch.amp.GradScaler):
                 return False
             finally:
                 self._stepped_globally = self._infs_between_steps = False
+                self._global_found_inf = None
                 self._finite.clear()
                 self._per_optimizer_states.clear()
 

@@ -109,8 +109,9 @@ class RemoteMixtureOfExperts(nn.Module):
     async def _find_experts_async(self, samples, timeout: float | None):
         node = self.dht.node
         phase = "beam search"
+        deadline = asyncio.timeout(timeout)
         try:
-            async with asyncio.timeout(timeout):
+            async with deadline:
                 chosen = await self.beam_search.batch_find_best_experts_async(node, samples, self.k_best)
                 phase = "finding the experts' servers"
                 await learn_addresses(node, self.dht.host, [e.peer_id for experts in chosen for e in experts])
@@ -118,6 +119,8 @@ class RemoteMixtureOfExperts(nn.Module):
                     phase = "fetching the experts' schema"
                     self._schema = await self._fetch_schema(chosen, timeout)
         except TimeoutError:
+            if not deadline.expired():
+                raise  # e.g. TooFewExpertsError: not ours to rename
             raise TimeoutError(f"forward_timeout of {self.forward_timeout} s passed during {phase} in "
                                f"{self.uid_prefix!r}; the DHT or the experts are slow or "
                                f"unreachable") from None

@@ -281,18 +281,26 @@ class DecentralizedAverager:
                            f"values: {failed or 'none'}; excluded senders: {list(map(str, report.excluded_senders))}")
         return {peer: MSGPackSerializer.loads(member[2]) for peer, member in zip(group.peer_ids, members)}
 
+    async def _acquire_lock(self) -> None:
+        """Take the tensors' lock without blocking the loop; if cancelled meanwhile, let it go."""
+        acquired = asyncio.get_running_loop().run_in_executor(None, self._lock.acquire)
+        try:
+            await asyncio.shield(acquired)
+        except asyncio.CancelledError:
+            acquired.add_done_callback(lambda future: future.cancelled() or self._lock.release())
+            raise
+
     @contextlib.asynccontextmanager
     async def _working_copy(self):
         """Run the round on private copies; publish the result in one short critical section."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._lock.acquire)
+        await self._acquire_lock()
         try:
             for work, tensor in zip(self._work, self._tensors):
                 work.copy_(tensor)
         finally:
             self._lock.release()
         yield self._work
-        await loop.run_in_executor(None, self._lock.acquire)
+        await self._acquire_lock()
         try:
             for work, tensor in zip(self._work, self._tensors):
                 tensor.copy_(work)

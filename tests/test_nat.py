@@ -184,7 +184,10 @@ class PeerProcess:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging():
+@pytest.mark.parametrize("punch", ["punch", "relay-only"])
+def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
+    """With hole punching the private peers end up on a direct connection; without, everything,
+    averaging included, runs through the relay."""
     require_lab()
     lab = NatLab()
     try:
@@ -193,24 +196,34 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging():
         assert "unreachable" in lab.sh(sys.executable, "-c", PROBE % ("10.200.1.2", 9), ns="pub")
         public = lab.spawn("pub", "public", "10.200.0.1")
         relay = public.wait_for("ready")["maddrs"][0]
-        a = lab.spawn("a", "private", "10.200.1.2", relay, "a", "b")
-        b = lab.spawn("b", "private", "10.200.2.2", relay, "b", "a")
+        a = lab.spawn("a", "private", "10.200.1.2", relay, "a", "b", punch)
+        b = lab.spawn("b", "private", "10.200.2.2", relay, "b", "a", punch)
         for peer in (a, b):
             ready = peer.wait_for("ready")
             assert all("/p2p-circuit" in addr for addr in ready["advertised"]), ready
         results = {peer.name: peer.wait_for("done") for peer in (a, b)}
         public_dht = public.wait_for("dht")
         public.finish()
+        relay_stats = public.wait_for("bye")
 
         assert public_dht["values"] == {"a": "from a", "b": "from b", "pub": "from pub"}
         for name, other in (("a", "b"), ("b", "a")):
             result = results[name]
             assert result["dht"] == {"a": "from a", "b": "from b", "pub": "from pub"}, result
-            assert result["ping_relayed"] is True, result
+            # Their first connection went through the relay (the DHT may have made it before our ping);
+            # when hole punching worked, the ping used the punched direct connection instead.
+            assert result["ping_connection"] == ("direct" if result["hole_punch"].startswith("direct")
+                                                 else "relayed"), result
+            if punch == "relay-only":
+                assert result["hole_punch"] == "not enabled" and result["first_connection"] == "relayed"
             assert result["averaged"] == pytest.approx(1.5), result  # mean of 1.0 (a) and 2.0 (b)
             assert result["group"] == sorted([results["a"]["peer_id"], results["b"]["peer_id"]]), result
+        assert relay_stats["circuits_served"] >= 1, relay_stats
+        if punch == "relay-only":  # the averaged tensors (2 x 4000 bytes each way) crossed the relay
+            assert relay_stats["bytes_relayed"] > 4 * 4000, relay_stats
+        print("relay:", relay_stats)
         print("hole punching:", {name: results[name]["hole_punch"] for name in results})
-        print("rtt through the relay (s):", {name: round(results[name]["rtt"], 4) for name in results})
+        print("ping rtt (s):", {name: round(results[name]["rtt"], 4) for name in results})
         if os.environ.get("PLEXUS_NAT_LOGS"):
             for peer in (public, a, b):
                 print(peer.name, "".join(peer._log))
@@ -254,9 +267,9 @@ def peer_main(argv: list[str]) -> None:
         emit("ready", maddrs=[str(addr) for addr in dht.get_visible_maddrs()])
         me = "pub"
     else:
-        relay, me, other = argv[2], argv[3], argv[4]
+        relay, me, other, punch = argv[2], argv[3], argv[4], argv[5] == "punch"
         dht = DHT(initial_peers=[relay], host_maddrs=listen, start=True)
-        dht.run_coroutine(lambda dht, node: _reserve(dht.host, RelayClient, relay))
+        dht.run_coroutine(lambda dht, node: _reserve(dht.host, RelayClient, relay, punch))
         emit("ready", advertised=[str(addr) for addr in dht.get_visible_maddrs()
                                   if str(addr).startswith(relay)])
     dht.store(f"nat_{me}", {"text": f"from {me}", "peer_id": str(dht.peer_id)}, get_dht_time() + 300)
@@ -264,10 +277,12 @@ def peer_main(argv: list[str]) -> None:
     emit("dht", values={name: value["text"] for name, value in values.items()})
     if role == "public":
         sys.stdin.read()  # stay up until the test is done with the private peers
+        service = dht.host.relay_service
+        emit("bye", circuits_served=service.circuits_served, bytes_relayed=service.bytes_relayed)
         dht.shutdown()
         return
     other_id = values[other]["peer_id"]
-    rtt, relayed = dht.run_coroutine(lambda dht, node: _ping(dht.host, other_id))
+    rtt, first, now = dht.run_coroutine(lambda dht, node: _ping(dht.host, other_id, dial=me == "a"))
     rank = 1.0 if me == "a" else 2.0
     averager = DecentralizedAverager([torch.full((1000,), rank)], dht, prefix="nat", target_group_size=2,
                                      min_matchmaking_time=2.0, request_timeout=2.0, start=True)
@@ -276,27 +291,42 @@ def peer_main(argv: list[str]) -> None:
         averaged = float(tensors[0].mean())
     hole_punch = dht.run_coroutine(lambda dht, node: _hole_punch(dht.host, other_id))
     emit("done", peer_id=str(dht.peer_id), dht={name: value["text"] for name, value in values.items()},
-         ping_relayed=relayed, rtt=rtt, averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
+         first_connection=first, ping_connection=now, rtt=rtt, averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
     averager.shutdown()
     dht.shutdown()
 
 
 async def _start_service(host, service_class):
-    service_class(host).start()
+    host.relay_service = service_class(host).start()
 
 
-async def _reserve(host, client_class, relay):
-    client = client_class(host).start()
-    host.relay_client = client
-    await client.reserve(relay)
+async def _reserve(host, client_class, relay, punch):
+    from plexus.p2p.dcutr import HolePuncher
+
+    host.hole_puncher = HolePuncher(host).start() if punch else None
+    on_inbound = host.hole_puncher.on_inbound_circuit if punch else None
+    host.relay_client = client_class(host, on_inbound_circuit=on_inbound).start()
+    await host.relay_client.reserve(relay)
 
 
-async def _ping(host, peer_id_text):
+async def _ping(host, peer_id_text, dial: bool):
+    """One side dials (through the relay), the other waits for that connection, so there is one."""
+    import asyncio
+
     from plexus.p2p.identity import PeerID
 
     peer = PeerID.from_string(peer_id_text)
+    if not dial:
+        async with asyncio.timeout(20):
+            while host.get_connection(peer) is None:
+                await asyncio.sleep(0.05)  # poll with a deadline
+    first = await host.connect(peer, timeout=20)
+    first_kind = "relayed" if getattr(first, "relayed", False) else "direct"
+    if getattr(first, "relayed", False) and host.hole_puncher:  # the inbound side punches; let it finish
+        await host.hole_puncher.wait_outcome(peer, timeout=30)
     rtt = await host.ping(peer, timeout=20)
-    return rtt, bool(getattr(host.get_connection(peer), "relayed", False))
+    now_kind = "relayed" if getattr(host.get_connection(peer), "relayed", False) else "direct"
+    return rtt, first_kind, now_kind
 
 
 async def _hole_punch(host, peer_id_text):

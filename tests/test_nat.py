@@ -210,6 +210,8 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
         for name, other in (("a", "b"), ("b", "a")):
             result = results[name]
             assert result["dht"] == {"a": "from a", "b": "from b", "pub": "from pub"}, result
+            # AutoNAT: the public peer could not dial back through the NAT, so: private, use relays.
+            assert (result["reachability"], result["mode"]) == ("private", "relay"), result
             # Their first connection went through the relay (the DHT may have made it before our ping);
             # when hole punching worked, the ping used the punched direct connection instead.
             assert result["ping_connection"] == ("direct" if result["hole_punch"].startswith("direct")
@@ -283,6 +285,7 @@ def peer_main(argv: list[str]) -> None:
         return
     other_id = values[other]["peer_id"]
     rtt, first, now = dht.run_coroutine(lambda dht, node: _ping(dht.host, other_id, dial=me == "a"))
+    reachability, mode = dht.run_coroutine(lambda dht, node: _autonat(dht.host, relay))
     rank = 1.0 if me == "a" else 2.0
     averager = DecentralizedAverager([torch.full((1000,), rank)], dht, prefix="nat", target_group_size=2,
                                      min_matchmaking_time=2.0, request_timeout=2.0, start=True)
@@ -291,13 +294,25 @@ def peer_main(argv: list[str]) -> None:
         averaged = float(tensors[0].mean())
     hole_punch = dht.run_coroutine(lambda dht, node: _hole_punch(dht.host, other_id))
     emit("done", peer_id=str(dht.peer_id), dht={name: value["text"] for name, value in values.items()},
-         first_connection=first, ping_connection=now, rtt=rtt, averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
+         first_connection=first, ping_connection=now, rtt=rtt, reachability=reachability, mode=mode, averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
     averager.shutdown()
     dht.shutdown()
 
 
 async def _start_service(host, service_class):
+    from plexus.p2p.autonat import AutoNATService
+
     host.relay_service = service_class(host).start()
+    AutoNATService(host, dial_timeout=2).start()
+
+
+async def _autonat(host, relay):
+    from plexus.p2p.autonat import AutoNAT
+    from plexus.p2p.multiaddr import Multiaddr
+
+    autonat = AutoNAT(host, confidence=1)
+    reachability = await autonat.probe([Multiaddr(relay).peer_id])
+    return reachability.value, autonat.mode(relays_available=True)
 
 
 async def _reserve(host, client_class, relay, punch):

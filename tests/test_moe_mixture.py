@@ -158,13 +158,15 @@ def test_forward_timeout_covers_the_beam_search(swarm, monkeypatch):
     assert time.monotonic() - started < 5
 
 
-def test_anomalies_are_refused(swarm):
+def test_anomalies_and_misshapen_inputs_are_refused_before_sending(swarm):
     moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=swarm["client"], uid_prefix="mix",
                                  k_best=2, detect_anomalies=True)
     x = torch.randn(2, HIDDEN)
     x[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         moe(x)
+    with pytest.raises(ValueError, match=r"input 0 of the mixture has shape \(2, 3, 8\), expected \(batch, 8\)"):
+        moe(torch.randn(2, 3, HIDDEN))  # the gate would average the middle dimension, but these experts refuse it
 
 
 def test_slow_experts_are_left_behind_after_timeout_after_k_min(swarm):

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ...compression.wire import DTYPE_NAMES
 from ...utils.background_loop import get_background_loop
 from ...utils.logging import get_logger
 from ..expert_registry import learn_addresses
@@ -152,6 +153,11 @@ class RemoteMixtureOfExperts(nn.Module):
             raise TypeError(f"the experts take {len(schema.args_schema)} positional tensors and keywords "
                             f"{list(schema.kwargs_names)}, got {1 + len(args)} and {sorted(kwargs)}")
         flat_inputs = [input, *args, *(kwargs[name] for name in schema.kwargs_names)]
+        for index, (tensor, descriptor) in enumerate(zip(flat_inputs, schema.inputs_schema)):
+            problem = descriptor.mismatch(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)))
+            if problem is not None:
+                raise ValueError(f"input {index} of the mixture has {problem}, as the experts under "
+                                 f"{self.uid_prefix!r} declare")
         call = MixtureCall(self.dht.host, schema, chosen, self.k_min, self.backward_k_min, self.timeout_after_k_min,
                            deadline, self.backward_timeout, self.detect_anomalies, self.allow_zero_outputs)
         mask, *expert_outputs = RemoteCallMany.apply(DUMMY, call, *flat_inputs)
@@ -168,12 +174,11 @@ class RemoteMixtureOfExperts(nn.Module):
     def chosen_coordinates(self, chosen: list[list[ExpertInfo]], device=None) -> torch.Tensor:
         """[batch, k, dims] grid coordinates of the chosen experts (0 in empty slots)."""
         k = max((len(experts) for experts in chosen), default=0)
-        coordinates = torch.zeros(len(chosen), k, len(self.grid_size), dtype=torch.long)
-        start = len(self.uid_prefix)
-        for sample, experts in enumerate(chosen):
-            for slot, expert in enumerate(experts):
-                coordinates[sample, slot] = torch.tensor([int(c) for c in expert.uid[start:].split(UID_DELIMITER)])
-        return coordinates.to(device)
+        start, dims = len(self.uid_prefix), len(self.grid_size)
+        padding = [0] * dims
+        rows = [[[int(c) for c in expert.uid[start:].split(UID_DELIMITER)] for expert in experts]
+                + [padding] * (k - len(experts)) for experts in chosen]
+        return torch.tensor(rows, dtype=torch.long, device=device).view(len(chosen), k, dims)
 
     def compute_expert_scores(self, grid_scores: Sequence[torch.Tensor], chosen: list[list[ExpertInfo]]) -> torch.Tensor:
         """[batch, k] logits of the chosen experts: the sums of their coordinates' gate scores."""

@@ -367,9 +367,10 @@ def _import_module_file(path: str) -> None:
 def background_server(*args, shutdown_timeout: float = 5, **kwargs) -> Iterator[PeerInfo]:
     """`Server.create(*args, **kwargs)` serving in this process for the duration of the block.
 
-    Yields the server's PeerInfo (peer id and addresses). Unlike hivemind, no child process is
-    forked: the server runs on the background loop and its compute thread. Listens on 127.0.0.1
-    unless `host_maddrs` says otherwise.
+    Yields the server's PeerInfo: its peer id and addresses, which also serve as `initial_peers`
+    for joining the server's DHT. Unlike hivemind, no child process is forked: the server runs on
+    the background loop and its compute thread. Listens on 127.0.0.1 unless `host_maddrs` says
+    otherwise.
     """
     if "host" not in kwargs and "dht" not in kwargs:
         kwargs.setdefault("host_maddrs", ("/ip4/127.0.0.1/tcp/0",))

@@ -201,6 +201,16 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
         for peer in (a, b):
             ready = peer.wait_for("ready")
             assert all("/p2p-circuit" in addr for addr in ready["advertised"]), ready
+        if punch == "relay-only":  # `plexus doctor` from behind a NAT, while the peers start up
+            doctor = subprocess.run(["ip", "netns", "exec", lab.ns["a"], sys.executable, "-m", "plexus.cli.main",
+                                     "doctor", "--peer", relay, "--host_maddrs", "/ip4/10.200.1.2/tcp/0", "--json",
+                                     "--timeout", "10"], cwd=REPO, capture_output=True, text=True, timeout=60)
+            diagnosis = json.loads(doctor.stdout)
+            assert doctor.returncode == 1 and diagnosis["nat"].startswith("behind NAT"), diagnosis
+            assert diagnosis["reachability"] == "private", diagnosis
+            assert diagnosis["relays"] and "error" not in diagnosis["relays"][0], diagnosis  # it offers one
+            assert any("Forward the listening port" in advice for advice in diagnosis["advice"]), diagnosis
+            print("doctor:", {key: diagnosis[key] for key in ("nat", "reachability", "clock_skew")})
         results = {peer.name: peer.wait_for("done") for peer in (a, b)}
         public_dht = public.wait_for("dht")
         public.finish()

@@ -3,17 +3,18 @@
     plexus demo      start two local peers and ping one from the other
     plexus dht       run a DHT peer that others can bootstrap from
     plexus server    serve mixture-of-experts experts and announce them in the DHT
+    plexus doctor    check this machine's addresses, NAT, reachability, relays and clock skew
 """
 
 import argparse
 import sys
 
 from ..utils.logging import use_plexus_log_handler
-from . import demo, dht, server
+from . import demo, dht, doctor, server
 from .config import parse_with_config
 
 
-COMMANDS = {"demo": demo, "dht": dht, "server": server}
+COMMANDS = {"demo": demo, "dht": dht, "server": server, "doctor": doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,15 @@ from ..p2p.host import Host
 from ..p2p.identity import PeerID
 from ..utils.timing import DHTExpiration
 from .client.expert import RemoteExpert
-from .expert_uid import UID_DELIMITER, Coordinate, ExpertInfo, ExpertPrefix, ExpertUID, is_valid_uid, prefix_entries
+from .expert_uid import (
+    UID_DELIMITER,
+    Coordinate,
+    ExpertInfo,
+    ExpertPrefix,
+    ExpertUID,
+    is_valid_uid,
+    prefix_entries,
+)
 
 EMPTY_PREFIX_SUBKEY = "empty"  # the negative-cache marker's subkey (never an int coordinate)
 
@@ -141,7 +149,9 @@ def parse_successors(prefix: ExpertPrefix, value: object,
         return {}
     successors = {}
     for coordinate, entry in value.items():
-        if type(coordinate) is not int or (grid_size is not None and coordinate >= grid_size) or coordinate < -1:
+        if type(coordinate) is not int:
+            continue
+        if coordinate < -1 or (grid_size is not None and coordinate >= grid_size):
             continue
         item = getattr(entry, "value", None)
         if not isinstance(item, (tuple, list)) or len(item) != 2:

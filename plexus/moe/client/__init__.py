@@ -7,6 +7,7 @@ from .quorum import TooFewExpertsError
 from .switch_moe import RemoteSwitchMixtureOfExperts
 
 __all__ = [
-    "MoEBeamSearcher", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts",
-    "TooFewExpertsError", "expert_backward", "expert_forward", "get_expert_schema",
+    "MoEBeamSearcher", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts",
+    "RemoteSwitchMixtureOfExperts", "TooFewExpertsError", "expert_backward", "expert_forward",
+    "get_expert_schema",
 ]

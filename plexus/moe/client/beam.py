@@ -92,12 +92,15 @@ class BeamSearch:
 
     def result(self) -> list[tuple[ExpertUID, PeerID]]:
         """The best experts found, best first: (uid, peer id) pairs, at most beam_size."""
-        best = heapq.nsmallest(self.beam_size, self._candidates.items(), key=lambda item: (-item[1][0], item[0]))
-        return [(uid, peer_id) for uid, (_, peer_id) in best]
+        return [(uid, peer_id) for uid, (_, peer_id) in self._best()]
 
     def scored_result(self) -> list[tuple[float, ExpertUID]]:
-        best = heapq.nsmallest(self.beam_size, self._candidates.items(), key=lambda item: (-item[1][0], item[0]))
-        return [(score, uid) for uid, (score, _) in best]
+        """Like `result`, with each expert's score instead of its peer."""
+        return [(score, uid) for uid, (score, _) in self._best()]
+
+    def _best(self) -> list[tuple[ExpertUID, tuple[float, PeerID]]]:
+        return heapq.nsmallest(self.beam_size, self._candidates.items(),
+                               key=lambda item: (-item[1][0], item[0]))
 
     # --- steps ---------------------------------------------------------------------------------
 

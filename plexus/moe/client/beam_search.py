@@ -52,12 +52,14 @@ class MoEBeamSearcher:
         if not grid_size or any(int(size) < 1 for size in grid_size):
             raise ValueError(f"grid_size must be a non-empty sequence of positive sizes, got {grid_size}")
         self.dht, self.uid_prefix, self.grid_size = dht, uid_prefix, tuple(int(size) for size in grid_size)
-        self.num_workers, self.negative_caching, self.cache_expiration = num_workers, negative_caching, cache_expiration
+        self.num_workers, self.negative_caching = num_workers, negative_caching
+        self.cache_expiration = cache_expiration
         self._caching_tasks: set[asyncio.Task] = set()
 
     # --- asyncio API (on the DHT's loop) --------------------------------------------------------------
 
-    async def fetch_successors(self, node: DHTNode, prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
+    async def fetch_successors(self, node: DHTNode,
+                               prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
         """The populated next coordinates of each prefix (empty dict: none), from one DHT lookup."""
         found = await node.get_many(list(prefixes))
         result = {}
@@ -91,7 +93,8 @@ class MoEBeamSearcher:
         for grid_scores in batch_grid_scores:
             scores = [_as_floats(s) for s in grid_scores]
             if tuple(len(s) for s in scores) != self.grid_size:
-                raise ValueError(f"scores of sizes {[len(s) for s in scores]} do not fit grid_size {self.grid_size}")
+                raise ValueError(f"scores of sizes {[len(s) for s in scores]} do not fit grid_size "
+                                 f"{self.grid_size}")
             searches.append(BeamSearch(self.uid_prefix, scores, beam_size))
         known: dict[ExpertPrefix, Successors] = {}
         while True:
@@ -105,7 +108,8 @@ class MoEBeamSearcher:
                 search.feed(known)
         return [[ExpertInfo(uid, peer_id) for uid, peer_id in search.result()] for search in searches]
 
-    async def find_best_experts_async(self, node: DHTNode, grid_scores: Sequence, beam_size: int) -> list[ExpertInfo]:
+    async def find_best_experts_async(self, node: DHTNode, grid_scores: Sequence,
+                                      beam_size: int) -> list[ExpertInfo]:
         return (await self.batch_find_best_experts_async(node, [grid_scores], beam_size))[0]
 
     # --- synchronous API (hivemind's) -----------------------------------------------------------------
@@ -123,7 +127,8 @@ class MoEBeamSearcher:
         return self.dht.run_coroutine(search, return_future=return_future)
 
     def batch_find_best_experts(self, batch_grid_scores: Sequence, beam_size: int,
-                                return_future: bool = False) -> list[list[RemoteExpert]] | concurrent.futures.Future:
+                                return_future: bool = False,
+                                ) -> list[list[RemoteExpert]] | concurrent.futures.Future:
         """`find_best_experts` for each sample. `batch_grid_scores` is a list of samples, each a list
         of per-dimension scores (hivemind takes per-dimension [batch, size] arrays; both work)."""
         samples = _samples(batch_grid_scores, len(self.grid_size))

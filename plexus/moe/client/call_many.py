@@ -115,8 +115,9 @@ class RemoteCallMany(torch.autograd.Function):
             for output, tensor in zip(outputs, answer):
                 output[group.rows, group.slots] = tensor
         if not answers and batch and not call.allow_zero_outputs:
-            raise RuntimeError(f"forward: none of the {len(groups)} chosen experts answered (allow_zero_outputs is "
-                               f"off); check that expert servers are running and reachable")
+            raise RuntimeError(f"forward: none of the {len(groups)} chosen experts answered "
+                               f"(allow_zero_outputs is off); check that expert servers are running and "
+                               f"reachable")
         ctx.call, ctx.groups, ctx.alive = call, groups, sorted(answers)
         ctx.save_for_backward(*inputs)
         ctx.mark_non_differentiable(mask)
@@ -136,8 +137,8 @@ class RemoteCallMany(torch.autograd.Function):
         if groups:
             cpu_inputs = [t.cpu() for t in inputs]
             cpu_grads = [g.cpu() for g in grad_outputs]
-            payloads = [[t.index_select(0, g.rows) for t in cpu_inputs] + [grad[g.rows, g.slots] for grad in cpu_grads]
-                        for g in groups]
+            payloads = [[t.index_select(0, g.rows) for t in cpu_inputs]
+                        + [grad[g.rows, g.slots] for grad in cpu_grads] for g in groups]
             deadline = None if call.backward_timeout is None else time.monotonic() + call.backward_timeout
             answers = _run_groups(call, groups, payloads, call.backward_k_min, deadline, forward=False)
             for i, answer in answers.items():
@@ -178,8 +179,10 @@ def _run_groups(call: MixtureCall, groups: list[Group], payloads: list[list[torc
                 alive[sample] += 1
         required = [min(k_min, n) for n in alive]
     phase = "forward" if forward else "backward"
+    def describe(i: int) -> str:
+        return f"expert {groups[i].expert.uid} on {groups[i].expert.peer_id}"
+
     coroutine = call_with_quorum([make_call(g, p) for g, p in zip(groups, payloads)], rows, len(call.chosen),
-                                 required, call.timeout_after_k_min, deadline,
-                                 lambda i: f"expert {groups[i].expert.uid} on {groups[i].expert.peer_id}", phase)
+                                 required, call.timeout_after_k_min, deadline, describe, phase)
     remaining = _remaining(deadline)
     return get_background_loop().run(coroutine, None if remaining is None else remaining + GRACE)

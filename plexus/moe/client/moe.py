@@ -55,8 +55,9 @@ class RemoteMixtureOfExperts(nn.Module):
     """
 
     def __init__(self, *, in_features: int, grid_size: Sequence[int], dht, uid_prefix: str, k_best: int,
-                 k_min: int = 1, forward_timeout: float | None = None, timeout_after_k_min: float | None = None,
-                 backward_k_min: int = 1, backward_timeout: float | None = None, detect_anomalies: bool = False,
+                 k_min: int = 1, forward_timeout: float | None = None,
+                 timeout_after_k_min: float | None = None, backward_k_min: int = 1,
+                 backward_timeout: float | None = None, detect_anomalies: bool = False,
                  allow_zero_outputs: bool = False, **dht_kwargs):
         super().__init__()
         if not 0 <= k_min <= k_best or not 0 <= backward_k_min <= k_best:
@@ -102,7 +103,8 @@ class RemoteMixtureOfExperts(nn.Module):
     def _find_experts(self, grid_scores: Sequence[torch.Tensor], deadline: float | None,
                       ) -> tuple[list[list[ExpertInfo]], ExpertSchema]:
         """Beam search and (once) the experts' schema: one trip to the loop, bounded by the deadline."""
-        samples = [list(per_sample) for per_sample in zip(*(s.detach().float().cpu().tolist() for s in grid_scores))]
+        per_dimension = (scores.detach().float().cpu().tolist() for scores in grid_scores)
+        samples = [list(per_sample) for per_sample in zip(*per_dimension)]
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         return get_background_loop().run(self._find_experts_async(samples, remaining),
                                          None if remaining is None else remaining + GRACE)
@@ -147,19 +149,22 @@ class RemoteMixtureOfExperts(nn.Module):
         raise TooFewExpertsError(f"none of {len(candidates)} experts answered a schema request: "
                                  f"{'; '.join(f'{type(e).__name__}: {e}' for e in errors[:3])}")
 
-    def _call_experts(self, chosen, schema, deadline, input, args, kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _call_experts(self, chosen, schema, deadline, input, args,
+                      kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The remote calls: a [batch, k] mask of who answered and each output as [batch, k, ...]."""
         if len(args) != len(schema.args_schema) - 1 or set(kwargs) != set(schema.kwargs_names):
             raise TypeError(f"the experts take {len(schema.args_schema)} positional tensors and keywords "
                             f"{list(schema.kwargs_names)}, got {1 + len(args)} and {sorted(kwargs)}")
         flat_inputs = [input, *args, *(kwargs[name] for name in schema.kwargs_names)]
         for index, (tensor, descriptor) in enumerate(zip(flat_inputs, schema.inputs_schema)):
-            problem = descriptor.mismatch(tuple(tensor.shape), DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype)))
+            dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
+            problem = descriptor.mismatch(tuple(tensor.shape), dtype)
             if problem is not None:
                 raise ValueError(f"input {index} of the mixture has {problem}, as the experts under "
                                  f"{self.uid_prefix!r} declare")
-        call = MixtureCall(self.dht.host, schema, chosen, self.k_min, self.backward_k_min, self.timeout_after_k_min,
-                           deadline, self.backward_timeout, self.detect_anomalies, self.allow_zero_outputs)
+        call = MixtureCall(self.dht.host, schema, chosen, self.k_min, self.backward_k_min,
+                           self.timeout_after_k_min, deadline, self.backward_timeout, self.detect_anomalies,
+                           self.allow_zero_outputs)
         mask, *expert_outputs = RemoteCallMany.apply(DUMMY, call, *flat_inputs)
         return mask, expert_outputs
 
@@ -180,7 +185,8 @@ class RemoteMixtureOfExperts(nn.Module):
                 + [padding] * (k - len(experts)) for experts in chosen]
         return torch.tensor(rows, dtype=torch.long, device=device).view(len(chosen), k, dims)
 
-    def compute_expert_scores(self, grid_scores: Sequence[torch.Tensor], chosen: list[list[ExpertInfo]]) -> torch.Tensor:
+    def compute_expert_scores(self, grid_scores: Sequence[torch.Tensor],
+                              chosen: list[list[ExpertInfo]]) -> torch.Tensor:
         """[batch, k] logits of the chosen experts: the sums of their coordinates' gate scores."""
         coordinates = self.chosen_coordinates(chosen, grid_scores[0].device)
         return sum(scores.gather(1, coordinates[..., dim]) for dim, scores in enumerate(grid_scores))

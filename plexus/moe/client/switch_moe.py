@@ -40,7 +40,8 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
                          allow_zero_outputs=allow_zero_outputs, **kwargs)
         if not 0 < grid_dropout <= 1 or not 0 <= utilization_alpha <= 1 or jitter_eps < 0:
             raise ValueError("need 0 < grid_dropout <= 1, 0 <= utilization_alpha <= 1 and jitter_eps >= 0")
-        self.utilization_alpha, self.grid_dropout, self.jitter_eps = utilization_alpha, grid_dropout, jitter_eps
+        self.utilization_alpha, self.grid_dropout = utilization_alpha, grid_dropout
+        self.jitter_eps = jitter_eps
         for dim, size in enumerate(self.grid_size):
             self.register_buffer(f"grid_utilization_{dim}", torch.full((size,), 1.0 / size))
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from plexus.compression import serialize_torch_tensor
+from plexus.dht.dht import DHT
 from plexus.moe import BatchTensorDescriptor, ExpertInfo, ModuleBackend, RemoteExpert, Server, background_server
 from plexus.moe.client import expert_forward
 from plexus.moe.messages import (
@@ -204,10 +205,12 @@ def test_each_builtin_expert_starts_and_answers(expert_cls, client):
         assert output.shape == inputs[0].shape and torch.isfinite(output).all()
 
 
-def test_server_refuses_something_that_is_neither_a_dht_nor_a_host():
+def test_server_refuses_what_cannot_serve():
     backend = ModuleBackend("ffn.0", torch.nn.Linear(4, 4), args_schema=(BatchTensorDescriptor((4,)),))
     with pytest.raises(TypeError, match="started plexus.DHT or plexus.p2p.Host"):
         Server(object(), {"ffn.0": backend}, start=True)
+    with DHT(start=True, client_mode=True) as dht, pytest.raises(ValueError, match="client_mode"):
+        Server(dht, {"ffn.0": backend})
 
 
 def test_create_chooses_uids():

@@ -72,6 +72,9 @@ class Server:
             self.host = getattr(host_or_dht, "host", None)
             if self.host is None:
                 raise TypeError(f"Server needs a started plexus.DHT or plexus.p2p.Host, got {host_or_dht!r}")
+            if getattr(host_or_dht, "client_mode", False):
+                raise ValueError("an expert server must accept connections, but its DHT is in client_mode; "
+                                 "start the DHT without client_mode (and with reachable host_maddrs)")
         self.module_backends = dict(module_backends)
         for uid, backend in self.module_backends.items():
             if backend.name != uid:

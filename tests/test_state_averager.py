@@ -3,18 +3,21 @@ state download with epochs and schedulers, refusals and bounded failures."""
 
 import copy
 import functools
+import threading
 import time
 
 import pytest
 import torch
 
+from plexus.averaging.control import AveragingStage
 from plexus.dht.dht import DHT
 from plexus.optim import TrainingStateAverager
 from plexus.optim.state_averager import StateLoadError
 
 pytestmark = pytest.mark.timeout(60)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5)
+# request_timeout also bounds the DHT store of a matchmaking declaration: generous for loaded CI machines
+FAST = dict(min_matchmaking_time=1.0, request_timeout=2.0)
 ADAM = functools.partial(torch.optim.Adam, lr=0.1)
 STATS = ("exp_avg", "exp_avg_sq")
 
@@ -52,7 +55,7 @@ def test_three_peers_average_parameters_and_adam_statistics():
     dhts = make_swarm(3)
     models = [make_model(i) for i in range(3)]
     averagers = [TrainingStateAverager(dht=dht, optimizer=ADAM, params=model.parameters(), average_opt_statistics=STATS,
-                                       prefix="adam", target_group_size=3, start=True, **FAST)
+                                       prefix="adam", target_group_size=3, min_group_size=3, start=True, **FAST)
                  for dht, model in zip(dhts, models)]
     try:
         # the same step on plain local copies: what each peer holds before the round
@@ -217,3 +220,52 @@ def test_unusable_state_ends_in_a_clear_error_after_bounded_attempts():
         assert joiner.local_epoch == 0
     finally:
         close(alone, joiner, donor, *dhts)
+
+
+def test_prescheduled_round_waits_for_its_trigger_and_syncs_the_epoch():
+    dhts = make_swarm(2)
+    schedule = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda epoch: 0.5 ** epoch)
+    models = [make_model(i) for i in range(2)]
+    averagers = [TrainingStateAverager(dht=dht, optimizer=ADAM, params=model.parameters(), scheduler=schedule,
+                                       sync_epoch_when_averaging=True, prefix="sched", target_group_size=2,
+                                       start=True, **FAST) for dht, model in zip(dhts, models)]
+    try:
+        averagers[0].step(increment_epoch=True)
+        averagers[0].step(increment_epoch=True)
+        triggers = [threading.Event(), threading.Event()]
+        controls = [a.schedule_step(timeout=20) for a in averagers]  # matchmaking starts now
+        for averager, control, trigger in zip(averagers, controls, triggers):
+            averager.step(averaging_round=True, averaging_control=control, wait_for_trigger=trigger.wait,
+                          delay_averaging=True)
+        wait_until(lambda: all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls))
+        assert not any(c.done() for c in controls), "the all-reduce ran before its trigger"
+        for trigger in triggers:
+            trigger.set()
+        for averager in averagers:
+            averager.step(wait_for_delayed_updates=True)
+        assert [a.local_epoch for a in averagers] == [2, 2]
+        assert averagers[1].optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+        for a, b in zip(*(model.parameters() for model in models)):
+            assert torch.allclose(a, b)
+    finally:
+        close(*averagers, *dhts)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offloaded_optimizer_with_a_cuda_half_precision_model():
+    dht = DHT(start=True, host_maddrs=LOCAL)
+    model = make_model(0).cuda().half()
+    before = [p.detach().float().cpu() for p in model.parameters()]
+    averager = TrainingStateAverager(dht=dht, optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                                     params=model.parameters(), offload_optimizer=True, prefix="cuda", start=True)
+    try:
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        averager.step(optimizer_step=True, zero_grad=True)
+        for param, old in zip(model.parameters(), before):
+            assert param.device.type == "cuda" and param.dtype == torch.float16
+            assert torch.allclose(param.float().cpu(), old - 0.5, atol=1e-2)
+        metadata, tensors, _ = averager.get_current_state()
+        assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors[:2])
+    finally:
+        close(averager, dht)

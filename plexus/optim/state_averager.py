@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from ..averaging.averager import AveragingError, DecentralizedAverager
-from ..averaging.control import StepControl
+from ..averaging.control import AveragingStage, StepControl
 from ..averaging.state_transfer import StateDownloadError
 from ..compression import CompressionInfo, TensorRole
 from ..utils.logging import get_logger
@@ -69,6 +69,10 @@ logger = get_logger(__name__)
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+UNWIND_TIMEOUT = 10.0
+_ACTIVE_STAGES = (AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
 class StateLoadError(RuntimeError):
@@ -474,15 +478,18 @@ class TrainingStateAverager(DecentralizedAverager):
             self._last_averaging_stage = averaging_stage
             self._pending.add(averaging_stage)
 
-        output = None
+        output, waited = None, False
         if optimizer_stage is not None and (optimizer_step or zero_grad) and not delay_optimizer_step:
             self._pending.discard(optimizer_stage)
             optimizer_stage.result()
+            waited = True
         if averaging_stage is not None and not delay_averaging:
             self._pending.discard(averaging_stage)
             output = averaging_stage.result()
-        self._apply_pending_result()
-        self._sync_model_parameters()
+            waited = True
+        if waited:  # delayed work shows in the model at the next step(), never at a random moment
+            self._apply_pending_result()
+            self._sync_model_parameters()
         return output
 
     @torch.no_grad()
@@ -533,7 +540,6 @@ class TrainingStateAverager(DecentralizedAverager):
                 self._state_changed()
 
     def _averaging_stage(self, optimizer_stage, control: StepControl | None, started: float, opts: dict):
-        timeout = opts.get("timeout")
         if control is not None and (control.triggered or control.done()):
             logger.log(self.status_loglevel, f"Discarding a pre-scheduled round that already ended: {control}")
             self._controls.discard(control)
@@ -558,7 +564,7 @@ class TrainingStateAverager(DecentralizedAverager):
             self.delay_before_averaging.update(1)
             control.allow_allreduce()
             try:
-                gathered = control.result(timeout)
+                gathered = control.result()  # bounded by the step's own timeout (averaging_opts)
             except (AveragingError, concurrent.futures.CancelledError, TimeoutError) as error:
                 logger.log(self.status_loglevel, f"State averaging round failed: {error!r}")
                 return None
@@ -585,6 +591,7 @@ class TrainingStateAverager(DecentralizedAverager):
         finally:
             if control is not None:
                 self._controls.discard(control)
+                _wait_until_unwound(control)
 
     def _wait_for_pending(self) -> None:
         """Wait for every background stage (each is bounded: rounds by their timeout)."""
@@ -713,6 +720,14 @@ class TrainingStateAverager(DecentralizedAverager):
     def __repr__(self) -> str:
         return (f"<TrainingStateAverager {self.prefix} epoch={self.local_epoch} "
                 f"offload={self.offload_optimizer} delta={self.delta_rule_averaging}>")
+
+
+def _wait_until_unwound(control: StepControl) -> None:
+    """A cancelled step's future ends at once but its coroutine a moment later, still matchmaking;
+    the next round may start only after that (one look for a group at a time)."""
+    deadline = time.monotonic() + UNWIND_TIMEOUT
+    while control.stage in _ACTIVE_STAGES and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _as_params(params) -> Iterable[torch.Tensor]:

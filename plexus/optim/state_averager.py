@@ -35,6 +35,14 @@ training thread, inside `step()` or `load_state_from_peers()`:
   step needs offloading), and a delayed round's result is kept aside and applied by the next
   `step()` (or by stage A just before its optimizer step, while the training thread waits).
 
+Extra tensors are applied with the optimizer's tensors, so with offloading a round may change
+them from the background: read them under `get_tensors()` if a torn read matters.
+
+Blocking. `step()` blocks for what is not delayed, for earlier work when a new round starts
+(`wait_for_delayed_updates`), and, offloading without `custom_gradients`, for the previous
+optimizer step before it hands over new gradients. `load_state_from_peers()` blocks on the
+network; `schedule_step()` does not. None may be called from the event loop's own thread.
+
 Epochs. `local_epoch` counts global steps; it is the state-sharing priority, so newcomers prefer
 the most advanced donors. The scheduler is stepped until ``scheduler._step_count > epoch``: the
 k-th optimizer step uses the learning rate of epoch k-1, and a peer that loads epoch e gets lr(e).
@@ -338,6 +346,12 @@ class TrainingStateAverager(DecentralizedAverager):
     def local_epoch(self, epoch: int) -> None:
         self._local_epoch = int(epoch)
         self.state_sharing_priority = self._local_epoch
+
+    @property
+    def averaging_in_progress(self) -> bool:
+        """A round was submitted and has not ended (do not `schedule_step` another meanwhile)."""
+        stage = self._last_averaging_stage
+        return stage is not None and not stage.done()
 
     def _state_changed(self) -> None:
         """Tell state sharing that a snapshot taken before now is stale."""

@@ -122,7 +122,7 @@ class DecentralizedAverager:
             host, node, prefix=self.prefix, schema_hash=self.schema_hash, target_group_size=self.target_group_size,
             min_group_size=self.min_group_size, initial_group_bits=self.initial_group_bits,
             min_matchmaking_time=self.min_matchmaking_time, request_timeout=self.request_timeout,
-            client_mode=self.client_mode)
+            client_mode=self.client_mode, assemble_when_all_joined=True)
         self._state_sharing = StateSharing(
             host, node, self.prefix, self.get_current_state, state_lock=self._lock,
             state_compression=self.state_compression, declare_period=self.declare_state_period,

@@ -91,7 +91,7 @@ class Matchmaking:
     def __init__(self, host: Host, dht_node: DHTNode, *, prefix: str, schema_hash: bytes,
                  target_group_size: int | None, min_group_size: int = 2, initial_group_bits: str = "",
                  min_matchmaking_time: float = 5.0, request_timeout: float = 3.0, client_mode: bool = False,
-                 clock: Callable[[], float] = get_dht_time):
+                 clock: Callable[[], float] = get_dht_time, assemble_when_all_joined: bool = False):
         if min_matchmaking_time < 0 or request_timeout <= 0:
             raise ValueError("min_matchmaking_time must be >= 0 and request_timeout > 0")
         self.host, self.dht_node, self.prefix = host, dht_node, prefix
@@ -101,6 +101,8 @@ class Matchmaking:
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.min_matchmaking_time, self.request_timeout = min_matchmaking_time, request_timeout
         self.client_mode, self._clock = client_mode, clock
+        self.assemble_when_all_joined = assemble_when_all_joined
+        """With no target_group_size: lead a group as soon as every peer seen looking has joined us."""
         self._state = MatchmakingState(self.peer_id, schema_hash=schema_hash, client_mode=client_mode,
                                        target_group_size=target_group_size, min_group_size=min_group_size)
         self._rng = random.SystemRandom()
@@ -202,9 +204,10 @@ class Matchmaking:
             if loop.time() >= deadline:
                 logger.debug(f"{self._state!r}: no group before the deadline")
                 return None
-            if self._state.should_assemble(self._clock()):
+            view = self._view if self.assemble_when_all_joined else None
+            if self._state.should_assemble(self._clock(), view):
                 return self._assemble()
-            if self._own_time_passed() and not self._state.should_assemble(self._clock()):
+            if self._own_time_passed() and not self._state.should_assemble(self._clock(), view):
                 if self._extend(key, deadline):
                     continue
             leader = suggestion if suggestion is not None else next(iter(self._candidates()), None)

@@ -121,11 +121,25 @@ class MatchmakingState:
     def is_full(self) -> bool:
         return self.group_size >= (self.target_group_size or MAX_GROUP_SIZE)
 
-    def should_assemble(self, now: float) -> bool:
-        """Full, or our declared time has come (by our clock) with enough peers."""
+    def should_assemble(self, now: float, view: Mapping[PeerID, float] | None = None) -> bool:
+        """Full, or our declared time has come (by our clock) with enough peers, or (with no
+        target_group_size) everyone looking is already with us.
+
+        The last rule is what makes a group form at once when every peer is waiting: `view` is the
+        bucket as last read from the DHT ({peer: declared time}); once it shows our own record (so
+        it is not older than our declaration) and every other live peer in it follows us, nobody
+        else could join by waiting. Client-mode peers never declare, so they cannot be waited
+        for this way: they make it when they ask before that moment."""
         if self.phase is not Phase.LOOKING or self.declared is None:
             return False
-        return self.is_full or (now >= self.declared and self.group_size >= self.min_group_size)
+        if self.is_full or (now >= self.declared and self.group_size >= self.min_group_size):
+            return True
+        if self.target_group_size is not None or view is None or self.peer_id not in view:
+            return False  # with a target size, "full" means that size: wait for it until our time
+        if self.group_size < max(2, self.min_group_size):
+            return False
+        others = {peer for peer, declared in view.items() if peer != self.peer_id and declared > now}
+        return others <= self._followers.keys()
 
     def assemble(self, group_id: bytes, shuffle: Callable[[list], None]) -> tuple[GroupInfo, list[Notice]]:
         """Form the group from us and our followers in an order `shuffle` picks; BEGIN for each follower."""

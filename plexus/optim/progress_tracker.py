@@ -85,6 +85,8 @@ class ProgressTracker:
         self.global_progress = self._solo_progress(get_dht_time())
         self._paused = False
         self._swarm_speed = 0.0
+        self.fetch_count = 0
+        """How many times the swarm's progress was read (to tell a fresh estimate from an old one)."""
         self._loop = dht._background.loop
         self._wake_reporter = self._wake_fetcher = None
         self._tasks: list = []
@@ -98,6 +100,7 @@ class ProgressTracker:
 
     async def _start_loops(self) -> asyncio.Task:
         self._wake_reporter, self._wake_fetcher = asyncio.Event(), asyncio.Event()
+        self._wake_reporter.set()  # announce ourselves at once: peers starting with us count us in
         return asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -227,6 +230,7 @@ class ProgressTracker:
         progress = self._estimate(list(reports.values()), now) if reports else self._solo_progress(now)
         with self._lock:
             self.global_progress = progress
+            self.fetch_count += 1
         logger.log(self.status_loglevel,
                    f"{self.prefix} accumulated {progress.samples_accumulated} samples for epoch #{progress.epoch} "
                    f"from {progress.num_peers} peers. ETA {max(0.0, progress.eta_next_epoch - now):.2f} sec "

@@ -45,6 +45,9 @@ class HostDHTTransport:
         for peer, raw_addrs in addresses:
             if peer == self.local_peer_id:
                 continue
+            info = self.host.peer_info(peer)
+            if info is not None and set(raw_addrs) <= {addr.to_bytes() for addr in info.addrs}:
+                continue  # nothing new: every find response names ~20 peers we mostly know already
             addrs = []
             for raw in raw_addrs:
                 try:

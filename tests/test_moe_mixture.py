@@ -158,13 +158,17 @@ def test_forward_timeout_covers_the_beam_search(swarm, monkeypatch):
     assert time.monotonic() - started < 5
 
 
-def test_anomalies_and_misshapen_inputs_are_refused_before_sending(swarm):
+def test_anomalies_misshapen_inputs_and_empty_grids_are_refused_before_sending(swarm):
     moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=swarm["client"], uid_prefix="mix",
                                  k_best=2, detect_anomalies=True)
     x = torch.randn(2, HIDDEN)
     x[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         moe(x)
+    sparse = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(3, 3), dht=swarm["client"], uid_prefix="nobody",
+                                    k_best=2)
+    with pytest.raises(TooFewExpertsError, match="beam search found only 0 experts under 'nobody.'"):
+        sparse(torch.randn(2, HIDDEN))
     with pytest.raises(ValueError, match=r"input 0 of the mixture has shape \(2, 3, 8\), expected \(batch, 8\)"):
         moe(torch.randn(2, 3, HIDDEN))  # the gate would average the middle dimension, but these experts refuse it
 

@@ -116,6 +116,12 @@ class RemoteMixtureOfExperts(nn.Module):
         try:
             async with deadline:
                 chosen = await self.beam_search.batch_find_best_experts_async(node, samples, self.k_best)
+                short = [i for i, experts in enumerate(chosen) if len(experts) < self.k_min]
+                if short:
+                    raise TooFewExpertsError(
+                        f"beam search found only {len(chosen[short[0]])} experts under {self.uid_prefix!r} for "
+                        f"sample {short[0]} ({len(short)} samples in all), fewer than k_min={self.k_min}; are "
+                        f"enough expert servers announcing this grid {self.grid_size} in this DHT?")
                 phase = "finding the experts' servers"
                 await learn_addresses(node, self.dht.host, [e.peer_id for experts in chosen for e in experts])
                 if self._schema is None:

@@ -11,7 +11,7 @@ from plexus.optim.optimizer import Optimizer
 
 pytestmark = pytest.mark.timeout(120)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
+FAST_TRACKER = dict(min_refresh_period=0.05, max_refresh_period=2.0, default_refresh_period=0.2)
 
 
 def train(dht: DHT, results: dict, index: int, epochs: int, **options) -> None:

@@ -90,6 +90,7 @@ class Host:
         self._tasks: set[asyncio.Task] = set()
         self._identified: dict[PeerID, asyncio.Event] = {}
         self._running = False
+        self._routing: set[PeerID] = set()  # peers whose addresses the peer router is looking up
         self.peer_router: Callable[[PeerID], Awaitable[None]] | None = None
         """Called to find addresses of a peer we must dial but know no address of (set by the DHT)."""
         # Hooks for transports that live in their own modules (circuit relay: plexus/p2p/relay.py).
@@ -279,6 +280,8 @@ class Host:
         connection = self.get_connection(peer_id)
         if connection is not None:
             return connection
+        if peer_id in self._routing and not addrs:  # the lookup for this very peer asks it: not yet
+            raise DialError(f"{peer_id} is being looked up; its address is not known yet")
         dial = self._pending_dials.get(peer_id)
         if dial is None:
             dial = self._pending_dials[peer_id] = asyncio.get_running_loop().create_task(self._dial(peer_id, addrs))
@@ -294,7 +297,11 @@ class Host:
     async def _dial(self, peer_id: PeerID, addrs: list[Multiaddr] | None) -> Connection:
         info = self._peers.get(peer_id)
         if not addrs and not (info and info.addrs) and self.peer_router is not None:
-            await self.peer_router(peer_id)  # e.g. a DHT lookup that teaches us its addresses
+            self._routing.add(peer_id)
+            try:
+                await self.peer_router(peer_id)  # e.g. a DHT lookup that teaches us its addresses
+            finally:
+                self._routing.discard(peer_id)
             info = self._peers.get(peer_id)
         candidates = addrs or (info.addrs if info else [])
         if not candidates:

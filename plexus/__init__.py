@@ -32,6 +32,15 @@ from .moe import (
     get_experts,
     register_expert_class,
 )
+from .optim import (
+    GradientAverager,
+    GradScaler,
+    Optimizer,
+    PowerSGDGradientAverager,
+    ProgressTracker,
+    TrainingAverager,
+    TrainingStateAverager,
+)
 from .p2p.identity import PeerID
 from .utils.timing import get_dht_time
 from .version import __version__
@@ -43,4 +52,6 @@ __all__ = [
     "Uniform8BitQuantization", "__version__", "deserialize_torch_tensor", "get_dht_time", "serialize_torch_tensor",
     "ModuleBackend", "RemoteExpert", "RemoteMixtureOfExperts", "RemoteSwitchMixtureOfExperts", "Server",
     "background_server", "declare_experts", "get_experts", "register_expert_class",
+    "GradScaler", "GradientAverager", "Optimizer", "PowerSGDGradientAverager", "ProgressTracker",
+    "TrainingAverager", "TrainingStateAverager",
 ]

@@ -260,14 +260,19 @@ class Matchmaking:
         task.add_done_callback(self._stores.discard)
 
     async def _store_declaration(self, key: str, expiration: float, poll_now: asyncio.Event) -> None:
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                stored = await self.dht_node.store(key, True, expiration, subkey=self.peer_id.to_bytes())
-        except (TimeoutError, OSError) as error:
-            logger.debug(f"{self.peer_id.short()} could not declare itself under {key}: {error!r}")
-            stored = False
+        stored = None  # unknown: the store timed out or broke, and may still have landed
+        for attempt in range(2):  # a slow DHT (a loaded machine) gets one more chance
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    stored = await self.dht_node.store(key, True, expiration, subkey=self.peer_id.to_bytes())
+                break
+            except (TimeoutError, OSError) as error:
+                logger.debug(f"{self.peer_id.short()} could not declare itself under {key} "
+                             f"(attempt {attempt + 1}): {error!r}")
+                if self._clock() >= expiration:
+                    break
         poll_now.set()  # others who started with us have likely landed too: look now
-        if not stored and self._state.phase is Phase.LOOKING and self._state.declared == expiration:
+        if stored is False and self._state.phase is Phase.LOOKING and self._state.declared == expiration:
             # nobody can see us, so nobody would ask us to lead; we join others instead
             logger.debug(f"{self.peer_id.short()}: declaration under {key} not stored; joining others only")
             self._deliver(self._state.declare(None, self._clock()))

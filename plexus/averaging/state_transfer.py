@@ -402,12 +402,10 @@ class StateSharing:
 
     async def _build_snapshot(self) -> _Snapshot:
         try:
-            # the consistency point: state and private copies are taken with no await in between
+            # the consistency point: state and private copies are taken under the state lock, in a
+            # worker thread, so a training thread holding that lock never stalls the event loop
             version = self._version
-            with self.state_lock:
-                state = self.get_current_state()
-                metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
-                copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
+            metadata, copies, infos = await asyncio.to_thread(self._take_state)
             manifest, chunks = await asyncio.to_thread(
                 _serialize_snapshot, metadata, copies, list(infos), self.state_compression, self.chunk_size)
             del copies
@@ -420,6 +418,12 @@ class StateSharing:
             return snapshot
         finally:
             self._building = None
+
+    def _take_state(self) -> tuple:
+        with self.state_lock:
+            state = self.get_current_state()
+            metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
+            return metadata, [tensor.detach().to("cpu", copy=True) for tensor in tensors], infos
 
     def _drop_idle(self, now: float) -> None:
         self._snapshots = [s for s in self._snapshots if now - s.last_used < self.snapshot_retention]

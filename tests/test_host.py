@@ -119,6 +119,32 @@ def test_many_concurrent_streams():
     run(main())
 
 
+def test_coalesced_small_writes_keep_their_bytes_and_order_with_large_ones():
+    """Small writes are queued until the end of the loop iteration: a caller that reuses its buffer
+    at once must not change what was sent, and a large (zero-copy, flushed at once) write must
+    not overtake the small writes queued before it."""
+
+    async def main():
+        a, b = await hosts(2)
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        stream = await a.new_stream(b.get_visible_maddrs()[0], "/test/echo/1.0.0", lazy=True)
+        buffer, expected = bytearray(100), []
+        for i in range(50):
+            buffer[:] = bytes([i]) * 100  # the same bytearray, overwritten right after each write
+            await stream.write(buffer)
+            expected.append(bytes(buffer))
+            if i % 10 == 9:
+                large = os.urandom(200 << 10)
+                await stream.write(memoryview(large))
+                expected.append(large)
+        await stream.close()
+        received = await stream.read_until_eof(limit=4 << 20)
+        assert received == b"".join(expected)
+        await shutdown(a, b)
+
+    run(main())
+
+
 def test_unknown_protocol_is_refused_clearly():
     async def main():
         a, b = await hosts(2)

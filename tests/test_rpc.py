@@ -137,3 +137,37 @@ def test_message_decoding_validates_every_field():
     for bad in (b"", b"\xc1", Sum(1).encode(), b"\x92\xa1x\x01"):
         with pytest.raises(ValueError):
             Add.decode(bad)
+
+
+def test_unary_call_costs_one_socket_write_each_way():
+    """Stream open, multistream proposal, request and FIN leave together, and so do the answer,
+    the response and its FIN: frames are coalesced per loop iteration, not flushed one by one."""
+
+    async def main():
+        a, b = await pair()
+
+        async def echo(request: bytes, context) -> bytes:
+            return request
+
+        rpc.add_handler(b, "/test/echo/1.0.0", echo)
+        assert await rpc.call(a, b.peer_id, "/test/echo/1.0.0", b"warm-up", timeout=5) == b"warm-up"
+        connections = [a.get_connection(b.peer_id), b.get_connection(a.peer_id)]
+        writes = []
+        for connection in connections:
+            transport = connection._transport
+            original = transport.write
+
+            def counting_write(data, original=original):
+                writes.append(len(data))
+                return original(data)
+
+            transport.write = counting_write
+        calls = 50
+        for i in range(calls):
+            request = f"request {i}".encode() * 10
+            assert await rpc.call(a, b.peer_id, "/test/echo/1.0.0", request, timeout=5) == request
+        assert len(writes) <= 2 * calls, f"{len(writes) / calls:.1f} socket writes per unary call"
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())

@@ -9,6 +9,14 @@ the other way: the yamux core queues headers and memoryviews of the caller's dat
 them into Noise messages of the maximum size, encrypts them into a reusable output buffer and hands
 a few messages at a time to the socket (see ../../shared notes: transport-performance.md).
 
+Coalescing. Small output (stream opens, window updates, FIN/RST, writes up to COALESCE_LIMIT) is
+only queued, and one flush is scheduled with `call_soon` for the end of this loop iteration, so a
+unary RPC (SYN, multistream proposal, request, FIN) leaves in one Noise message and one send
+instead of one each. Small writes of mutable buffers are copied first, since the caller may reuse
+its buffer once `write` returns. A large write flushes at once without copying (taking whatever
+was queued before it along, in order), and so does a queue that has grown to a full Noise message.
+The cost is at most one loop iteration of delay for small frames.
+
 Bounds: the receive buffer never holds more than one partial Noise frame besides new data, the
 upgrade has a deadline, and any RemoteProtocolError closes this connection alone, with the reason
 logged.
@@ -36,6 +44,7 @@ RECEIVE_BUFFER_SIZE = 1 << 20
 MIN_FREE_SPACE = 128 << 10
 NOISE_MESSAGES_PER_WRITE = 4
 WRITE_HIGH_WATER = 4 << 20
+COALESCE_LIMIT = 32 << 10  # writes up to this size wait for the end of the loop iteration
 
 
 class Phase(enum.Enum):
@@ -81,6 +90,7 @@ class Connection(asyncio.BufferedProtocol):
         self._staging = memory[2 * RECEIVE_BUFFER_SIZE + out_size :]
         self._can_write = asyncio.Event()
         self._can_write.set()
+        self._flush_scheduled = False
         self.closed = asyncio.Event()
         self.last_activity = 0.0
 
@@ -228,7 +238,8 @@ class Connection(asyncio.BufferedProtocol):
             self._start = self._end = 0
         if produced:
             self._dispatch(self._yamux.receive_data(self._plain[:produced], now=time.monotonic()))
-        self._flush()
+        if self._yamux.pending_bytes():  # pongs, window updates; streams woken above may add replies
+            self._flush_soon()
 
     def _plain_input(self, leftover: bytes) -> None:
         try:
@@ -298,6 +309,19 @@ class Connection(asyncio.BufferedProtocol):
         if out_end:
             self._write_out(out_end)
 
+    def _flush_soon(self) -> None:
+        """Flush at the end of this loop iteration (at once if a full Noise message is queued)."""
+        if self._yamux.pending_bytes() >= NoiseTransport.MAX_PLAINTEXT:
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        if self.phase is Phase.MUXED:
+            self._flush()
+
     def _write_out(self, length: int) -> bytearray:
         """Write out[:length]; return the buffer to use next (a fresh one if the socket kept ours)."""
         transport = self._transport
@@ -313,7 +337,7 @@ class Connection(asyncio.BufferedProtocol):
             raise ConnectionClosedError(f"connection to {self.remote_peer} is {self.phase.value}")
         stream_id = self._yamux.open_stream()
         stream = self.streams[stream_id] = Stream(self, stream_id)
-        self._flush()
+        self._flush_soon()
         return stream
 
     async def _wait_writable(self) -> None:
@@ -325,20 +349,29 @@ class Connection(asyncio.BufferedProtocol):
                 raise ConnectionClosedError(self.close_reason or "connection closed")
 
     def _send(self, stream_id: int, data: memoryview) -> int:
+        """Queue what the send window allows of `data`; return how many bytes were taken."""
+        if len(data) > COALESCE_LIMIT:
+            accepted = self._yamux.send_data(stream_id, data)
+            if accepted:
+                self._flush()  # zero-copy: the socket (or its buffer) has the bytes on return
+            return accepted
+        if type(data.obj) is not bytes:  # the caller may change its buffer once we return
+            data = memoryview(bytes(data))
         accepted = self._yamux.send_data(stream_id, data)
         if accepted:
-            self._flush()
+            self._flush_soon()
         return accepted
 
     def _stream_consumed(self, stream_id: int, n: int) -> None:
         if self.phase is Phase.MUXED and n:
             self._yamux.consumed(stream_id, n, now=time.monotonic())
-            self._flush()
+            if self._yamux.pending_bytes():
+                self._flush_soon()
 
     def _end_stream(self, stream_id: int) -> None:
         if self.phase is Phase.MUXED:
             self._yamux.end_stream(stream_id)
-            self._flush()
+            self._flush_soon()
             stream = self.streams.get(stream_id)
             if stream is not None:
                 self._forget_if_done(stream)
@@ -350,7 +383,7 @@ class Connection(asyncio.BufferedProtocol):
                 self._yamux.reset_stream(stream_id)
             except ProtocolError:
                 return
-            self._flush()
+            self._flush_soon()
 
     def _forget_if_done(self, stream: Stream) -> None:
         if stream._eof and stream._write_closed:

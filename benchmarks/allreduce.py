@@ -1,17 +1,38 @@
-"""All-reduce benchmark: Plexus butterfly all-reduce against torch.distributed gloo, same processes.
+"""All-reduce benchmark: `DecentralizedAverager` (matchmaking + butterfly all-reduce) against gloo.
 
-Run: `.venv/bin/python benchmarks/allreduce.py [--peers 2] [--mib 40] [--rounds 3] [--part-kib 512]`
+Run: `.venv/bin/python benchmarks/allreduce.py [--peers 2 4 8] [--mib 40 400] [--compression none float16]
+[--rounds 3] [--quick] [--bare] [--profile]`
 
-Each peer is a spawned process with its own Host on 127.0.0.1 and `--mib` MiB of float32. Every
-round starts at a barrier; a round's time is the slowest peer's. Then the same processes run gloo's
-`all_reduce` (sum, then divide) on the same tensor, as the baseline measured in the same run.
-Printed: median seconds per round, the vector size over that time (MiB/s) and the ratio to gloo.
+Each peer is a spawned process with one torch thread, its own DHT on 127.0.0.1 and `--mib` MiB of
+float32. Per (size, compression) the peers make a fresh averager (target group = all peers) and run
+`--rounds` steps, each started at a barrier:
+  * matchmaking: `step(require_trigger=True)` until the group is formed (everyone looks at once),
+  * all-reduce: from `allow_allreduce()`, after a second barrier, until the step returns. This
+    includes the averager's copies into and out of its private working copy.
+After each averaging round the same processes run gloo's `all_reduce` (sum, then divide) on the
+same tensor: the baseline, interleaved round by round so that both see the same load on a shared
+machine. A round's time is its slowest peer's; the table shows the median over rounds.
+
+Columns: s/round; algorithm bandwidth = tensor MiB / s per round (what nccl-tests and gloo call
+algbw); the ratio to gloo's bandwidth; CPU seconds per round and peer (all threads, user + system)
+for both, which a busy machine distorts far less than wall time (the all-reduce is CPU-bound: a
+round's wall time is its CPU time plus its time waiting for a core); matchmaking seconds; peak
+memory: the largest growth of a peer's resident set during an averaging round (VmHWM after
+resetting it, else ru_maxrss) over its footprint with the input tensor allocated, divided by the
+tensor size. The averager keeps its own copy and a working copy, so 2.0 is the design's floor; the
+rest is parts in flight (windows of 8 parts per sender, stream buffers), a fixed few tens of MiB.
+`--bare` adds rows for the all-reduce engine alone (`AllReduceRunner` over the group the averager
+found, in place: no copies, no matchmaking). `--profile` prints peer 0's event-loop profile.
+8 peers x 400 MiB needs about 1.3 GiB per peer (input, the averager's two copies, buffers).
 """
 
 import argparse
-import asyncio
+import ctypes
+import gc
+import math
 import multiprocessing as mp
 import os
+import re
 import socket
 import statistics
 import sys
@@ -19,12 +40,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from plexus.averaging.allreduce import AllReduceRouter, AllReduceRunner  # noqa: E402
-from plexus.p2p.host import Host  # noqa: E402
-from plexus.p2p.identity import PeerID  # noqa: E402
-from plexus.p2p.multiaddr import Multiaddr  # noqa: E402
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+COMPRESSIONS = ("none", "float16")
 
 
 def free_port() -> int:
@@ -33,89 +53,328 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def peer(index: int, args, connection, barrier, gloo_port: int) -> None:
-    torch.set_num_threads(args.threads)
-    tensor = torch.randn(args.mib * 2**18, generator=torch.Generator().manual_seed(index))
+# --- memory ----------------------------------------------------------------------------------------
 
-    async def plexus_rounds() -> list[float]:
-        host = await Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)).start()
-        router = AllReduceRouter(host)
-        connection.send((host.peer_id.to_bytes(), [str(a) for a in host.get_listen_maddrs()]))
-        peers = connection.recv()
-        peer_ids = [PeerID(raw) for raw, _ in peers]
-        for peer_id, (_, addrs) in zip(peer_ids, peers):
-            if peer_id != host.peer_id:
-                host.add_addrs(peer_id, [Multiaddr(a) for a in addrs])
-                await host.connect(peer_id)
-        times = []
-        for round_index in range(args.rounds):
-            runner = AllReduceRunner(host, f"round-{round_index}".encode(), [tensor], peer_ids, [1] * len(peer_ids),
-                                     part_size_bytes=args.part_kib * 1024, sender_timeout=30, reducer_timeout=60)
-            await asyncio.get_running_loop().run_in_executor(None, barrier.wait)
-            started = time.perf_counter()
-            with router.register(runner):
-                report = await runner.run()
-            times.append(time.perf_counter() - started)
-            assert report.complete, report
-        await host.shutdown()
-        return times
 
-    if args.profile and index == 0:
-        import cProfile
-        import pstats
+class PeakMemory:
+    """Peak resident set growth of this process over a baseline taken at `reset()`.
 
-        profile = cProfile.Profile()
-        plexus_times = profile.runcall(asyncio.run, plexus_rounds())
-        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(15)
-    else:
-        plexus_times = asyncio.run(plexus_rounds())
+    Linux lets a process reset its high-water mark (`echo 5 > /proc/self/clear_refs`); elsewhere
+    the peak is the lifetime maximum (ru_maxrss), correct only for the first, largest measurement."""
 
+    def __init__(self):
+        self.process = psutil.Process()
+        try:
+            self._libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            self._libc = None
+        self.baseline = 0
+
+    def _trim(self) -> None:
+        gc.collect()
+        if self._libc is not None:
+            self._libc.malloc_trim(0)  # hand freed heap back, so earlier rounds do not hide new growth
+
+    def reset_peak(self) -> None:
+        self._trim()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def reset(self) -> None:
+        self.reset_peak()
+        self.baseline = self.process.memory_info().rss
+
+    def peak(self) -> int:
+        try:
+            with open("/proc/self/status") as f:
+                hwm = int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) * 1024
+        except (OSError, AttributeError):
+            import resource
+
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(hwm, self.process.memory_info().rss)
+
+
+# --- one peer --------------------------------------------------------------------------------------
+
+
+def make_compression(name: str):
+    from plexus.compression import Float16Compression, NoCompression
+
+    return {"none": NoCompression, "float16": Float16Compression}[name]()
+
+
+def wait_for_group(control, deadline: float) -> None:
+    """Poll (a benchmark may) until matchmaking is over; StepControl exposes no event for it."""
+    from plexus.averaging.control import AveragingStage
+
+    while control.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+        if control.done():
+            control.result()  # raises the step's error
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("matchmaking took longer than the benchmark's deadline")
+        time.sleep(0.001)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this whole process (every thread: the event loop, gloo's), user + system."""
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def one_step(averager, barrier, args, profile, dht):
+    """One averaging step; returns (matchmaking s, all-reduce s, all-reduce CPU s, group)."""
+    barrier.wait()
+    started = time.perf_counter()
+    control = averager.step(wait=False, require_trigger=True, timeout=args.step_timeout)
+    wait_for_group(control, time.monotonic() + args.step_timeout)
+    matchmaking = time.perf_counter() - started
+    barrier.wait()
+    if profile is not None:
+        dht._background.loop.call_soon_threadsafe(profile.enable)
+    cpu, started = cpu_seconds(), time.perf_counter()
+    control.allow_allreduce()
+    gathered = control.result()
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    if profile is not None:
+        dht._background.run(_disable(profile))
+    return matchmaking, elapsed, cpu, list(gathered)
+
+
+def gloo_round(tensor, n, barrier):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=index, world_size=args.peers)
-    gloo_times = []
-    for _ in range(args.rounds):
+    barrier.wait()
+    cpu, started = cpu_seconds(), time.perf_counter()
+    dist.all_reduce(tensor)
+    tensor /= n
+    return time.perf_counter() - started, cpu_seconds() - cpu
+
+
+def run_config(index, n, mib, compression, args, barrier, dht, memory, profile) -> dict:
+    """Rounds of the averager and of gloo, interleaved so both see the same load on a shared machine."""
+    from plexus.averaging.averager import DecentralizedAverager
+
+    tensor = torch.randn(mib * 2**18, generator=torch.Generator().manual_seed(index))
+    initial_sum = tensor.double().sum().item()
+    memory.reset()
+    baseline = memory.baseline
+    averager = DecentralizedAverager(
+        [tensor], dht, prefix=f"bench{n}x{mib}{compression}", target_group_size=n, min_group_size=n,
+        min_matchmaking_time=args.min_matchmaking_time, request_timeout=args.request_timeout,
+        compression=make_compression(compression), part_size_bytes=args.part_kib * 1024,
+        sender_timeout=args.sender_timeout, reducer_timeout=2 * args.sender_timeout, start=True)
+    result = {key: [] for key in ("matchmaking", "allreduce", "cpu", "gloo", "gloo_cpu", "bare")}
+    growth = 0
+    try:
+        for _ in range(args.rounds):
+            matchmaking, seconds, cpu, group = one_step(averager, barrier, args, profile, dht)
+            assert len(group) == n, f"a group of {len(group)}, expected {n}"
+            growth = max(growth, memory.peak() - baseline)
+            for key, value in zip(("matchmaking", "allreduce", "cpu"), (matchmaking, seconds, cpu)):
+                result[key].append(value)
+            seconds, cpu = gloo_round(tensor, n, barrier)
+            result["gloo"].append(seconds)
+            result["gloo_cpu"].append(cpu)
+            memory.reset_peak()
+        with averager.get_tensors() as (averaged,):
+            final_sum = averaged.double().sum().item()
+            probe = averaged[:: max(1, averaged.numel() // 64)].tolist()  # no tensors through the pipe:
+            # torch shares them by file descriptor, fetched from the sender after it may have exited
+    finally:
+        averager.shutdown()
+    if args.bare:
+        result["bare"] = bare_rounds(tensor, n, compression, args, barrier, dht, group)
+    result.update(numel=tensor.numel(), growth=growth, initial_sum=initial_sum, final_sum=final_sum, probe=probe)
+    return result
+
+
+async def _disable(profile) -> None:
+    profile.disable()
+
+
+def bare_rounds(tensor, n, compression, args, barrier, dht, group) -> list[float]:
+    """The engine alone: AllReduceRunner in place over the averager's group (same order everywhere)."""
+    from plexus.averaging.allreduce import AllReduceRouter, AllReduceRunner
+    from plexus.averaging.averager import _routers  # the router the averager put on this host
+
+    peers = sorted(group, key=lambda peer: peer.to_bytes())
+    times = []
+    for round_index in range(args.rounds):
+        async def one_round():
+            router = _routers.get(dht.host) or AllReduceRouter(dht.host)
+            runner = AllReduceRunner(
+                dht.host, f"bare-{n}-{round_index}".encode(), [tensor], peers, [1.0] * n,
+                compression=make_compression(compression), part_size_bytes=args.part_kib * 1024,
+                sender_timeout=args.sender_timeout, reducer_timeout=2 * args.sender_timeout)
+            with router.register(runner):
+                started = time.perf_counter()
+                report = await runner.run()
+                elapsed = time.perf_counter() - started
+            assert report.complete, report
+            return elapsed
+
         barrier.wait()
-        started = time.perf_counter()
-        dist.all_reduce(tensor)
-        tensor /= args.peers
-        gloo_times.append(time.perf_counter() - started)
-    dist.destroy_process_group()
-    connection.send((plexus_times, gloo_times))
+        times.append(dht._background.run(one_round()))
+    return times
+
+
+def peer(index: int, n: int, configs, args, connection, barrier, gloo_port: int) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code names itself instead of a silently closed pipe
+    torch.set_num_threads(args.threads)
+    import torch.distributed as dist
+
+    from plexus.dht.dht import DHT
+
+    if index == 0:
+        dht = DHT(start=True, host_maddrs=LOCAL)
+        connection.send([str(addr) for addr in dht.get_visible_maddrs()])
+    else:
+        dht = DHT(initial_peers=connection.recv(), start=True, host_maddrs=LOCAL)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=index, world_size=n)
+    memory = PeakMemory()
+    profile = None
+    if args.profile and index == 0:
+        import cProfile
+
+        profile = cProfile.Profile()
+    try:
+        for mib, compression in configs:
+            connection.send(run_config(index, n, mib, compression, args, barrier, dht, memory, profile))
+    except BaseException as error:  # send it as text: not every exception pickles
+        import traceback
+
+        connection.send(RuntimeError(f"peer {index}: {type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+        dht.shutdown()
+    if profile is not None:
+        import pstats
+
+        print(f"\n--- peer 0's event loop during the all-reduce rounds, {n} peers ---", file=sys.stderr)
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    connection.close()
+    os._exit(0)  # skip the interpreter's teardown: collecting torch's modules takes seconds
+
+
+# --- the driver ------------------------------------------------------------------------------------
+
+
+def slowest(results, key) -> float:
+    """Median over rounds of the slowest peer's time."""
+    return statistics.median(max(rounds) for rounds in zip(*(result[key] for result in results)))
+
+
+def mean_cpu(results, key) -> float:
+    """Median over rounds of the peers' mean CPU seconds."""
+    return statistics.median(sum(rounds) / len(rounds) for rounds in zip(*(result[key] for result in results)))
+
+
+def check(results, n, compression) -> str:
+    """The group's result: the mean's sum is the mean of the sums; uncompressed, peers agree exactly."""
+    expected = sum(result["initial_sum"] for result in results) / n
+    finals = [result["final_sum"] for result in results]
+    # rounding errors of N averaged values add up like a random walk: sqrt(N) x per-value error
+    tolerance = math.sqrt(results[0]["numel"]) * (1e-6 if compression == "none" else 1e-2)
+    if any(abs(final - expected) > tolerance for final in finals):
+        return f"WRONG SUM {finals} vs {expected}"
+    if compression == "none" and any(result["probe"] != results[0]["probe"] for result in results):
+        return "PEERS DIFFER"
+    return "ok"
+
+
+def run_peers(n: int, args, rows: list) -> None:
+    configs = [(mib, compression) for mib in args.mib for compression in args.compression]
+    context = mp.get_context("spawn")
+    barrier, gloo_port = context.Barrier(n), free_port()
+    pipes = [context.Pipe() for _ in range(n)]
+    processes = [context.Process(target=peer, args=(i, n, configs, args, pipes[i][1], barrier, gloo_port),
+                                 daemon=True) for i in range(n)]
+    for process in processes:
+        process.start()
+    try:
+        addresses = pipes[0][0].recv()
+        for parent, _ in pipes[1:]:
+            parent.send(addresses)
+        for mib, compression in configs:
+            results = [parent.recv() for parent, _ in pipes]
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise RuntimeError(f"{n} peers x {mib} MiB {compression}: {errors[0]!r}")
+            row = dict(peers=n, mib=mib, compression=compression,
+                       seconds=slowest(results, "allreduce"), gloo=slowest(results, "gloo"),
+                       cpu=mean_cpu(results, "cpu"), gloo_cpu=mean_cpu(results, "gloo_cpu"),
+                       matchmaking=slowest(results, "matchmaking"),
+                       growth=max(r["growth"] for r in results) / (mib << 20),
+                       bare=slowest(results, "bare") if args.bare else None,
+                       check=check(results, n, compression))
+            rows.append(row)
+            print(format_row(row), flush=True)
+    except (EOFError, ConnectionError) as error:
+        for process in processes:
+            process.join(timeout=5)
+        codes = [process.exitcode for process in processes]
+        raise RuntimeError(f"a peer process died ({error!r}); exit codes {codes}") from None
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+
+HEADER = ("| peers | MiB | compression | s/round | MiB/s | gloo s/round | gloo MiB/s | vs gloo "
+          "| CPU s/round/peer (gloo) | matchmaking s | peak mem / tensor | check |")
+
+
+def format_row(row) -> str:
+    bandwidth, gloo_bandwidth = row["mib"] / row["seconds"], row["mib"] / row["gloo"]
+    text = (f"| {row['peers']} | {row['mib']} | {row['compression']} | {row['seconds']:.3f} | {bandwidth:.0f} "
+            f"| {row['gloo']:.3f} | {gloo_bandwidth:.0f} | {bandwidth / gloo_bandwidth:.2f} "
+            f"| {row['cpu']:.2f} ({row['gloo_cpu']:.2f}) | {row['matchmaking']:.3f} | {row['growth']:.2f} "
+            f"| {row['check']} |")
+    if row["bare"] is not None:
+        bare = row["mib"] / row["bare"]
+        text += (f"\n| {row['peers']} | {row['mib']} | {row['compression']}, bare runner | {row['bare']:.3f} "
+                 f"| {bare:.0f} | | | {bare / gloo_bandwidth:.2f} | | | | |")
+    return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", type=int, default=2)
-    parser.add_argument("--mib", type=int, default=40, help="MiB of float32 per peer")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--mib", type=int, nargs="+", default=[40, 400], help="MiB of float32 per peer")
+    parser.add_argument("--compression", nargs="+", choices=COMPRESSIONS, default=list(COMPRESSIONS))
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per row; the median is shown")
+    parser.add_argument("--quick", action="store_true", help="2 and 4 peers, 40 MiB, 2 rounds")
+    parser.add_argument("--bare", action="store_true", help="also time the bare AllReduceRunner")
     parser.add_argument("--part-kib", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per peer")
-    parser.add_argument("--profile", action="store_true", help="print peer 0's profile of the plexus rounds")
+    parser.add_argument("--min-matchmaking-time", type=float, default=5.0)
+    parser.add_argument("--request-timeout", type=float, default=3.0)
+    parser.add_argument("--sender-timeout", type=float, default=60.0)
+    parser.add_argument("--step-timeout", type=float, default=600.0)
+    parser.add_argument("--profile", action="store_true", help="print peer 0's event-loop profile of the rounds")
     args = parser.parse_args()
+    if args.quick:
+        args.peers, args.mib, args.rounds = [p for p in args.peers if p <= 4] or [2], [40], 2
 
-    context = mp.get_context("spawn")
-    barrier, gloo_port = context.Barrier(args.peers), free_port()
-    pipes = [context.Pipe() for _ in range(args.peers)]
-    processes = [context.Process(target=peer, args=(i, args, pipes[i][1], barrier, gloo_port), daemon=True)
-                 for i in range(args.peers)]
-    for process in processes:
-        process.start()
-    addresses = [parent.recv() for parent, _ in pipes]
-    for parent, _ in pipes:
-        parent.send(addresses)
-    results = [parent.recv() for parent, _ in pipes]
-    for process in processes:
-        process.join()
-
-    def per_round(index: int) -> float:
-        return statistics.median(max(result[index][r] for result in results) for r in range(args.rounds))
-
-    plexus, gloo = per_round(0), per_round(1)
-    print(f"{args.peers} peers x {args.mib} MiB float32, {args.rounds} rounds, parts of {args.part_kib} KiB")
-    print(f"{'method':<22}{'s/round':>10}{'MiB/s':>10}{'vs gloo':>10}")
-    for name, seconds in (("plexus butterfly", plexus), ("gloo all_reduce", gloo)):
-        print(f"{name:<22}{seconds:>10.3f}{args.mib / seconds:>10.1f}{gloo / seconds:>10.2f}")
+    print(f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; {args.rounds} rounds per row, "
+          f"parts of {args.part_kib} KiB, {args.threads} torch thread(s) per peer\n")
+    print(HEADER)
+    print("|" + "---|" * (HEADER.count("|") - 1))
+    rows = []
+    for n in args.peers:
+        try:
+            run_peers(n, args, rows)
+        except Exception as error:  # one peer count failing (memory, timeouts) must not hide the others
+            print(f"| {n} | | | did not run: {error} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def test_out_of_order_messages_end_the_exchange():
 @pytest.mark.timeout(30)
 def test_relayed_connection_is_upgraded_to_a_direct_one():
     async def main():
-        hosts = [await Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)).start() for _ in range(3)]
+        hosts = [await Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",), reuse_port=True).start() for _ in range(3)]
         relay, a, b = hosts
         service = RelayService(relay).start()
         punchers = [HolePuncher(host).start() for host in (a, b)]

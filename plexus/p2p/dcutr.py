@@ -6,7 +6,9 @@ addresses peers observed it at (identify's observed address, with our listening 
 NATs usually keep the source port), and both dial each other at the moment the core
 (`protocols.dcutr.HolePunch`) says, from their listening port, so the two SYNs cross in flight: a
 TCP simultaneous open through both NATs. The outgoing sockets share the listening port through
-SO_REUSEPORT, which we switch on for the host's listeners when the puncher starts.
+SO_REUSEPORT, which the host must set on its listeners (`HostOptions.reuse_port`; `plexus.DHT` does
+when hole punching is on); without it punching dials come from other ports, which only
+endpoint-independent NATs let through.
 
 The exchange's initiator is the Noise initiator on the punched connection, the other side the
 responder (both sides called connect(), so the roles must be agreed). A punched connection is added
@@ -44,7 +46,9 @@ class HolePuncher:
 
     def start(self) -> "HolePuncher":
         self.host.set_stream_handler(core.PROTOCOL, self._serve)
-        _share_listening_ports(self.host)
+        if not self.host.options.reuse_port and self.host.get_listen_maddrs():
+            logger.debug("the host's listeners do not share their ports (HostOptions.reuse_port): "
+                         "hole punching will dial from other ports")
         return self
 
     async def stop(self) -> None:
@@ -235,6 +239,8 @@ class HolePuncher:
         return connection
 
     def _local_endpoint(self, family: str):
+        if not self.host.options.reuse_port:
+            return None  # binding a listening port would fail: let the OS pick one
         for addr in self.host.get_listen_maddrs():
             try:
                 ip, port, addr_family = parse_host_port(addr)
@@ -245,25 +251,8 @@ class HolePuncher:
         return None
 
 
-def _share_listening_ports(host: Host) -> None:
-    """Set SO_REUSEPORT on the host's listening sockets so punching dials can bind their port.
-
-    Reaches into the host's asyncio servers: the listeners are created by Host.start() before any
-    hole puncher exists, and Linux checks the flag of every socket on the port at each bind.
-    """
-    if not hasattr(socket, "SO_REUSEPORT"):
-        return
-    for server in getattr(host, "_servers", ()):
-        for sock in server.sockets:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            except OSError as error:
-                logger.debug(f"cannot share listening port {sock.getsockname()}: {error}")
-
-
-async def try_direct_upgrade(host: Host, peer: PeerID, timeout: float = 30.0) -> str:
+async def try_direct_upgrade(puncher: HolePuncher | None, peer: PeerID, timeout: float = 30.0) -> str:
     """The outcome of hole punching with `peer`: waits for an exchange the peer started, or starts one."""
-    puncher: HolePuncher | None = getattr(host, "hole_puncher", None)
     if puncher is None:
         return "not enabled"
     outcome = await puncher.wait_outcome(peer, timeout / 2)

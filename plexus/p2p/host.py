@@ -60,6 +60,9 @@ class HostOptions:
     """Inbound connections past this are refused."""
     max_streams_per_connection: int = 512
     """Concurrent yamux streams per connection."""
+    reuse_port: bool = False
+    """Let outgoing sockets bind our listening ports (SO_REUSEPORT, set once each listener is bound, so a
+    second listener on the same port still fails): hole punching (plexus/p2p/dcutr.py) dials from them."""
 
 
 @dataclass
@@ -114,6 +117,8 @@ class Host:
             )
             self._servers.append(server)
             for sock in server.sockets:
+                if self.options.reuse_port:
+                    _share_port(sock)
                 address = sock.getsockname()
                 self._listen_addrs.append(from_socket_address(address[0], address[1]))
         self._running = True
@@ -167,7 +172,7 @@ class Host:
             for addr in self._listen_addrs:
                 host, port, family = parse_host_port(addr)
                 if host in ("0.0.0.0", "::"):
-                    addrs.extend(Multiaddr(f"/{family}/{ip}/tcp/{port}") for ip in _local_ips(family))
+                    addrs.extend(Multiaddr(f"/{family}/{ip}/tcp/{port}") for ip in local_ips(family))
                 else:
                     addrs.append(addr)
             if include_observed:
@@ -541,7 +546,18 @@ def _is_unspecified(addr: Multiaddr) -> bool:
         return False
 
 
-def _local_ips(family: str) -> list[str]:
+def _share_port(sock: socket.socket) -> None:
+    if not hasattr(socket, "SO_REUSEPORT"):
+        logger.debug("this platform has no SO_REUSEPORT: hole punching will dial from other ports")
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    except OSError as error:
+        logger.debug(f"cannot share listening port {sock.getsockname()}: {error}")
+
+
+def local_ips(family: str) -> list[str]:
+    """This machine's addresses of `family` ("ip4"/"ip6"), loopback first: what 0.0.0.0 or :: stand for."""
     loopback = "127.0.0.1" if family == "ip4" else "::1"
     ips = [loopback]
     try:

@@ -261,11 +261,11 @@ def emit(event: str, **fields) -> None:
 
 
 def peer_main(argv: list[str]) -> None:
+    """A peer made only through the public API: the DHT's options attach relays, AutoNAT and DCUtR."""
     import torch
 
     from plexus.averaging.averager import DecentralizedAverager
     from plexus.dht.dht import DHT
-    from plexus.p2p.relay import RelayClient, RelayService
     from plexus.utils.logging import use_plexus_log_handler
     from plexus.utils.timing import get_dht_time
 
@@ -273,15 +273,14 @@ def peer_main(argv: list[str]) -> None:
     role, ip = argv[0], argv[1]
     listen = [f"/ip4/{ip}/tcp/0"]
     names = ["a", "b", "pub"]
-    if role == "public":
-        dht = DHT(host_maddrs=listen, start=True)
-        dht.run_coroutine(lambda dht, node: _start_service(dht.host, RelayService))
+    if role == "public":  # nobody could check that it is public (it is the first peer), so it says so
+        dht = DHT(host_maddrs=listen, start=True, force_reachability="public")
+        assert dht.relay_service is not None and dht.nat_mode == "direct"
         emit("ready", maddrs=[str(addr) for addr in dht.get_visible_maddrs()])
         me = "pub"
     else:
         relay, me, other, punch = argv[2], argv[3], argv[4], argv[5] == "punch"
-        dht = DHT(initial_peers=[relay], host_maddrs=listen, start=True)
-        dht.run_coroutine(lambda dht, node: _reserve(dht.host, RelayClient, relay, punch))
+        dht = DHT(initial_peers=[relay], host_maddrs=listen, use_auto_relay=True, hole_punching=punch, start=True)
         emit("ready", advertised=[str(addr) for addr in dht.get_visible_maddrs()
                                   if str(addr).startswith(relay)])
     dht.store(f"nat_{me}", {"text": f"from {me}", "peer_id": str(dht.peer_id)}, get_dht_time() + 300)
@@ -289,80 +288,51 @@ def peer_main(argv: list[str]) -> None:
     emit("dht", values={name: value["text"] for name, value in values.items()})
     if role == "public":
         sys.stdin.read()  # stay up until the test is done with the private peers
-        service = dht.host.relay_service
+        service = dht.relay_service
         emit("bye", circuits_served=service.circuits_served, bytes_relayed=service.bytes_relayed)
         dht.shutdown()
         return
     other_id = values[other]["peer_id"]
-    rtt, first, now = dht.run_coroutine(lambda dht, node: _ping(dht.host, other_id, dial=me == "a"))
-    reachability, mode = dht.run_coroutine(lambda dht, node: _autonat(dht.host, relay))
+    rtt, first, now = dht.run_coroutine(lambda dht, node: _ping(dht, other_id, dial=me == "a"))
     rank = 1.0 if me == "a" else 2.0
     averager = DecentralizedAverager([torch.full((1000,), rank)], dht, prefix="nat", target_group_size=2,
                                      min_matchmaking_time=2.0, request_timeout=2.0, start=True)
     result = averager.step(gather=str(dht.peer_id), timeout=60)
     with averager.get_tensors() as tensors:
         averaged = float(tensors[0].mean())
-    hole_punch = dht.run_coroutine(lambda dht, node: _hole_punch(dht.host, other_id))
+    hole_punch = dht.run_coroutine(lambda dht, node: _hole_punch(dht, other_id))
     emit("done", peer_id=str(dht.peer_id), dht={name: value["text"] for name, value in values.items()},
-         first_connection=first, ping_connection=now, rtt=rtt, reachability=reachability, mode=mode, averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
+         first_connection=first, ping_connection=now, rtt=rtt, reachability=dht.reachability, mode=dht.nat_mode,
+         averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
     averager.shutdown()
     dht.shutdown()
 
 
-async def _start_service(host, service_class):
-    from plexus.p2p.autonat import AutoNATService
-
-    host.relay_service = service_class(host).start()
-    AutoNATService(host, dial_timeout=2).start()
-
-
-async def _autonat(host, relay):
-    from plexus.p2p.autonat import AutoNAT
-    from plexus.p2p.multiaddr import Multiaddr
-
-    autonat = AutoNAT(host, confidence=1)
-    reachability = await autonat.probe([Multiaddr(relay).peer_id])
-    return reachability.value, autonat.mode(relays_available=True)
-
-
-async def _reserve(host, client_class, relay, punch):
-    from plexus.p2p.dcutr import HolePuncher
-
-    host.hole_puncher = HolePuncher(host).start() if punch else None
-    on_inbound = host.hole_puncher.on_inbound_circuit if punch else None
-    host.relay_client = client_class(host, on_inbound_circuit=on_inbound).start()
-    await host.relay_client.reserve(relay)
-
-
-async def _ping(host, peer_id_text, dial: bool):
+async def _ping(dht, peer_id_text, dial: bool):
     """One side dials (through the relay), the other waits for that connection, so there is one."""
     import asyncio
 
     from plexus.p2p.identity import PeerID
 
-    peer = PeerID.from_string(peer_id_text)
+    host, peer = dht.host, PeerID.from_string(peer_id_text)
     if not dial:
         async with asyncio.timeout(20):
             while host.get_connection(peer) is None:
                 await asyncio.sleep(0.05)  # poll with a deadline
     first = await host.connect(peer, timeout=20)
     first_kind = "relayed" if getattr(first, "relayed", False) else "direct"
-    if getattr(first, "relayed", False) and host.hole_puncher:  # the inbound side punches; let it finish
-        await host.hole_puncher.wait_outcome(peer, timeout=30)
+    if getattr(first, "relayed", False) and dht.hole_puncher:  # the inbound side punches; let it finish
+        await dht.hole_puncher.wait_outcome(peer, timeout=30)
     rtt = await host.ping(peer, timeout=20)
     now_kind = "relayed" if getattr(host.get_connection(peer), "relayed", False) else "direct"
     return rtt, first_kind, now_kind
 
 
-async def _hole_punch(host, peer_id_text):
-    """Hole punching is reported, not required (filled in by the DCUtR driver when present)."""
-    try:
-        from plexus.p2p.dcutr import try_direct_upgrade
-    except ImportError:
-        return "not implemented"
+async def _hole_punch(dht, peer_id_text):
+    from plexus.p2p.dcutr import try_direct_upgrade
     from plexus.p2p.identity import PeerID
 
-    return await try_direct_upgrade(host, PeerID.from_string(peer_id_text))
+    return await try_direct_upgrade(dht.hole_puncher, PeerID.from_string(peer_id_text))
 
 
 def _wait_for_values(dht, names, clock, timeout: float = 40.0) -> dict:

@@ -1,28 +1,19 @@
-"""`plexus doctor` against a public peer on 127.0.0.1 (DHT + AutoNAT + relay), and against nobody."""
-
-import asyncio
+"""`plexus doctor` against a public peer on 127.0.0.1 (a plain DHT: it serves AutoNAT and relays by
+default), and against nobody."""
 
 import pytest
 
 from plexus.cli import doctor
 from plexus.cli.main import main
 from plexus.dht.dht import DHT
-from plexus.p2p.autonat import AutoNATService
-from plexus.p2p.relay import RelayService
-
-
-async def _serve(dht, node):
-    AutoNATService(dht.host, dial_timeout=2).start()
-    RelayService(dht.host).start()
 
 
 @pytest.mark.timeout(60)
 def test_doctor_reports_a_healthy_local_setup(capsys):
     public = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     try:
-        public.run_coroutine(_serve)
         peer = str(public.get_visible_maddrs()[0])
-        report = asyncio.run(doctor.diagnose(peer, ["/ip4/127.0.0.1/tcp/0"], relays=[peer], timeout=10))
+        report = doctor.diagnose(peer, ["/ip4/127.0.0.1/tcp/0"], relays=[peer], timeout=10)
         assert report["problems"] == [], report
         assert report["nat"].startswith("none"), report
         assert report["reachability"] == "public", report
@@ -39,8 +30,8 @@ def test_doctor_reports_a_healthy_local_setup(capsys):
 
 @pytest.mark.timeout(30)
 def test_doctor_says_what_to_change_when_the_peer_is_unreachable(capsys):
-    report = asyncio.run(doctor.diagnose("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo",
-                                         ["/ip4/127.0.0.1/tcp/0"], timeout=3))
+    report = doctor.diagnose("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo",
+                             ["/ip4/127.0.0.1/tcp/0"], timeout=3)
     assert report["problems"] and "could not connect" in report["problems"][0], report
     assert "port is open" in report["advice"][0]
     assert "What to change" in doctor.format_report(report)

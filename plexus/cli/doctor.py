@@ -1,6 +1,7 @@
 """Check this machine's connectivity: addresses, NAT, reachability, relays and clock skew.
 
-Connects to a peer of the swarm (any running `plexus dht` peer), then reports:
+Joins the swarm through one of its peers (any running `plexus dht` peer) as a `plexus.DHT` with the
+listening addresses given, so the checks use the DHT's own host, relay client and AutoNAT, then reports:
 - the addresses this peer would advertise, and the address the other peer sees it at;
 - whether a NAT sits in between (the observed IP is not one of ours);
 - reachability, by asking the peer to dial us back (AutoNAT, when it serves it);
@@ -17,11 +18,11 @@ import asyncio
 import json
 import time
 
+from ..dht.dht import DHT
 from ..dht.messages import PingRequest, PingResponse, decode_response
 from ..dht.p2p_transport import DHT_PROTOCOL
 from ..p2p import rpc
-from ..p2p.autonat import AutoNAT
-from ..p2p.host import Host, _local_ips  # this machine's IPs, as the host expands 0.0.0.0
+from ..p2p.host import Host, local_ips
 from ..p2p.multiaddr import Multiaddr, MultiaddrError, parse_host_port
 from ..p2p.protocols import autonat as autonat_core
 from ..p2p.protocols import relay as relay_core
@@ -44,7 +45,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    report = asyncio.run(diagnose(args.peer, args.host_maddrs, args.relays, args.timeout))
+    report = diagnose(args.peer, args.host_maddrs, args.relays, args.timeout)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -52,32 +53,42 @@ def run(args) -> int:
     return 0 if not report["problems"] else 1
 
 
-async def diagnose(peer: str, host_maddrs, relays=(), timeout: float = 15.0) -> dict:
-    """Run every check; returns a JSON-ready dict with `problems` and `advice` lists."""
+def diagnose(peer: str, host_maddrs, relays=(), timeout: float = 15.0) -> dict:
+    """Join the swarm through `peer` as a DHT peer would (same host, relay client and AutoNAT), run
+    every check; returns a JSON-ready dict with `problems` and `advice` lists."""
     report: dict = {"peer": peer, "problems": [], "advice": []}
-    host = await Host(host_maddrs=tuple(host_maddrs), dial_timeout=timeout).start()
-    client = RelayClient(host).start()
+    dht = None
     try:
-        report["listen_addrs"] = [str(addr) for addr in host.get_listen_maddrs()]
-        try:
-            target = Multiaddr(peer)
-            await host.connect(target, timeout=timeout)
-            info = await host.identify(target.peer_id, timeout=timeout)
-        except (OSError, TimeoutError, ConnectionError, MultiaddrError, ValueError) as error:
-            report["problems"].append(f"could not connect to {peer}: {error}")
-            report["advice"].append("Check the address (it must end in /p2p/<peer id>), that the peer is running, "
-                                    "and that its port is open in its firewall.")
-            return report
-        report["peer_agent"] = info.agent_version
-        _check_nat(report, info.observed_addr, host)
-        await _check_clock(report, host, target.peer_id, timeout)
-        await _check_reachability(report, host, target.peer_id, info.protocols, timeout)
-        await _check_relays(report, client, target, info.protocols, relays, timeout)
-        report["visible_addrs"] = [str(addr) for addr in host.get_visible_maddrs(include_observed=True)]
+        target = Multiaddr(peer)
+        dht = DHT(initial_peers=[target], host_maddrs=host_maddrs, client_mode=not host_maddrs, auto_nat=False,
+                  relay_service=False, use_auto_relay=False, bootstrap_timeout=timeout,
+                  startup_timeout=3 * timeout + 5)
+        dht.run_in_background(await_ready=True)
+    except (OSError, TimeoutError, ConnectionError, ValueError) as error:  # MultiaddrError is a ValueError
+        report["problems"].append(f"could not connect to {peer}: {error}")
+        report["advice"].append("Check the address (it must end in /p2p/<peer id>), that the peer is running, "
+                                "and that its port is open in its firewall.")
         return report
     finally:
-        await client.stop()
-        await host.shutdown()
+        if dht is not None and not dht.is_alive():
+            dht.shutdown()
+    try:
+        return dht.run_coroutine(lambda dht, node: _diagnose(report, dht, target, relays, timeout))
+    finally:
+        dht.shutdown()
+
+
+async def _diagnose(report: dict, dht: DHT, target: Multiaddr, relays, timeout: float) -> dict:
+    host = dht.host
+    report["listen_addrs"] = [str(addr) for addr in host.get_listen_maddrs()]
+    info = await host.identify(target.peer_id, timeout=timeout)
+    report["peer_agent"] = info.agent_version
+    _check_nat(report, info.observed_addr, host)
+    await _check_clock(report, host, target.peer_id, timeout)
+    await _check_reachability(report, dht, target.peer_id, info.protocols, timeout)
+    await _check_relays(report, dht.relay_client, target, info.protocols, relays, timeout)
+    report["visible_addrs"] = [str(addr) for addr in host.get_visible_maddrs(include_observed=True)]
+    return report
 
 
 def _check_nat(report: dict, observed: Multiaddr | None, host: Host) -> None:
@@ -90,7 +101,7 @@ def _check_nat(report: dict, observed: Multiaddr | None, host: Host) -> None:
     except MultiaddrError:
         report["nat"] = f"unknown (observed address {observed} is not TCP)"
         return
-    ours = set(_local_ips(family)) | {parse_host_port(a)[0] for a in host.get_listen_maddrs()}
+    ours = set(local_ips(family)) | {parse_host_port(a)[0] for a in host.get_listen_maddrs()}
     report["nat"] = "none: the peer sees one of our own addresses" if ip in ours else \
         f"behind NAT: the peer sees us at {ip}, which is not an address of this machine"
 
@@ -113,18 +124,21 @@ async def _check_clock(report: dict, host: Host, peer, timeout: float) -> None:
                                 "expire on absolute times and matchmaking depends on them.")
 
 
-async def _check_reachability(report: dict, host: Host, peer, protocols, timeout: float) -> None:
-    if not host.get_listen_maddrs():
+async def _check_reachability(report: dict, dht: DHT, peer, protocols, timeout: float) -> None:
+    if not dht.host.get_listen_maddrs():
         report["reachability"] = "client (not listening)"
         return
     if autonat_core.PROTOCOL not in protocols:
         report["reachability"] = "unknown (the peer does not run AutoNAT)"
         return
-    autonat = AutoNAT(host, confidence=1, request_timeout=timeout)
     try:
-        answer = await autonat.ask(peer)
+        await dht.check_reachability([peer], timeout=timeout)
     except Exception as error:  # reported, never raised: this is a diagnosis
         report["reachability"] = f"unknown ({error!r})"
+        return
+    autonat, answer = dht.autonat, dht.autonat.answers.get(peer)
+    if answer is None:
+        report["reachability"] = "unknown (the peer did not answer our dial-back request)"
         return
     report["reachability"] = autonat.reachability.value
     report["autonat_answer"] = f"{answer.status.name} {answer.text}".strip()
@@ -135,11 +149,13 @@ async def _check_reachability(report: dict, host: Host, peer, protocols, timeout
                                 "run with --client_mode.")
 
 
-async def _check_relays(report: dict, client: RelayClient, target: Multiaddr, protocols, relays, timeout) -> None:
+async def _check_relays(report: dict, client: RelayClient | None, target: Multiaddr, protocols, relays, timeout) -> None:
     candidates = [Multiaddr(relay) for relay in relays]
     if not candidates and relay_core.HOP_PROTOCOL in protocols and report.get("reachability") != "public":
         candidates = [target]
     report["relays"] = []
+    if client is None:
+        return
     for relay in candidates:
         try:
             reservation = await asyncio.wait_for(client.reserve(relay, keep=False), timeout)

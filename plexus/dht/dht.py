@@ -6,19 +6,41 @@ averagers and optimizers in the same process share the host and loop. Every bloc
 (`get`, `store`, `run_coroutine`, ...) submits a coroutine to that loop; with `return_future=True`
 it returns a `concurrent.futures.Future` instead (await it from asyncio with
 `asyncio.wrap_future`). Asyncio users can also call the `*_async` methods on the loop itself.
+
+Peers behind NAT (hivemind's P2P options, same names and defaults). Every peer can dial through
+circuit relays (`use_relay`) and serves AutoNAT dial-backs (`auto_nat`) and, unless it is private,
+a bounded relay (`relay_service`). What a peer does about its own reachability is decided once,
+while it starts, and only when something depends on it (`client_mode=None` or `use_auto_relay`):
+it asks its initial peers to dial it back (AutoNAT), unless `force_reachability` says. A private
+peer with `use_auto_relay` reserves slots on relays (`relays`, else initial peers that relay, else
+relays announced in the DHT under RELAY_KEY by verified public peers) and advertises
+/p2p-circuit addresses; relayed connections are then upgraded to direct ones by hole punching
+(DCUtR) when the NATs allow. With `client_mode=None` a private peer without relays becomes a
+client: it only dials out. Peers listening on 127.0.0.1 with the default options never probe,
+so local swarms start as fast as before. `use_ipfs` finds initial peers given as `/p2p/<id>`
+through a libp2p Kademlia DHT (the public IPFS one unless `ipfs_bootstrap_peers` says otherwise).
 """
 
 import asyncio
 import concurrent.futures
+import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..p2p.host import Host
+from ..p2p.autonat import AutoNAT, AutoNATService
+from ..p2p.dcutr import HolePuncher
+from ..p2p.host import DialError, Host
 from ..p2p.identity import PeerID, PrivateKey, load_or_create_identity
-from ..p2p.multiaddr import Multiaddr
+from ..p2p.multiaddr import Multiaddr, MultiaddrError
+from ..p2p.protocols import autonat as autonat_core
+from ..p2p.protocols.autonat import Reachability
+from ..p2p.protocols.errors import ProtocolError
+from ..p2p.protocols.relay import HOP_PROTOCOL, RelayLimits
+from ..p2p.relay import RelayClient, RelayError, RelayService
 from ..utils.background_loop import get_background_loop
 from ..utils.logging import get_logger
 from ..utils.timed_storage import ValueWithExpiration
+from ..utils.timing import get_dht_time
 from .node import DHTBootstrapError, DHTNode
 from .p2p_transport import HostDHTTransport
 from .routing import DHTID
@@ -27,21 +49,61 @@ from .validation import CompositeValidator, RecordValidatorBase
 logger = get_logger(__name__)
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+RELAY_KEY = "_plexus.relays"  # {peer id: [its addresses]} of verified public peers that relay
+RELAY_ANNOUNCE_PERIOD = 300.0  # seconds between announcements; each lasts twice as long
+MAX_RELAYS = 2  # reservations a private peer keeps
+MAX_RELAY_CANDIDATES = 8  # relays tried before giving up
+MAX_AUTONAT_SERVERS = 5
 
 
 class DHT:
     """A DHT peer: `DHT(initial_peers=[...], start=True)`, then `store`/`get`; `shutdown()` when done."""
 
     def __init__(self, initial_peers: Sequence[str | Multiaddr] | None = None, *, start: bool = False,
-                 client_mode: bool = False, host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+                 client_mode: bool | None = False, host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
                  announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
                  record_validators: Iterable[RecordValidatorBase] = (), num_workers: int = 4,
                  startup_timeout: float = 30.0, shutdown_timeout: float = 3.0, await_ready: bool = True,
+                 use_relay: bool = True, use_auto_relay: bool = False, relays: Sequence[str | Multiaddr] = (),
+                 auto_nat: bool = True, force_reachability: str | None = None,
+                 relay_service: bool | RelayLimits = True, hole_punching: bool = True,
+                 use_ipfs: bool = False, ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
                  **node_options):
+        """
+        Args (besides hivemind's DHT ones):
+            client_mode: True: only dial out, take part as a client; None: decide at start (a peer
+                that AutoNAT finds private and that has no relay becomes a client).
+            use_relay: dial peers through circuit relays and accept circuits from our relays.
+            use_auto_relay: when private, reserve slots on relays and advertise relayed addresses.
+            relays: relays to use (…/p2p/<relay id>); default: initial peers that relay, then the DHT's.
+            auto_nat: serve AutoNAT dial-backs, and ask initial peers for them when a choice depends on it.
+            force_reachability: "public" or "private": skip AutoNAT and take this as the verdict.
+            relay_service: relay for others (bounded by RelayLimits; pass one to change the bounds)
+                unless we are private or a client.
+            hole_punching: upgrade relayed connections to direct ones (DCUtR) when `use_relay`.
+            use_ipfs: find initial peers given as /p2p/<peer id> through the libp2p Kademlia DHT.
+            ipfs_bootstrap_peers: where to join that DHT (default: the public IPFS bootstrap peers).
+        """
+        if force_reachability not in (None, "public", "private"):
+            raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")
         self.initial_peers = [Multiaddr(addr) for addr in initial_peers or ()]
-        self.client_mode = client_mode
-        self.host_maddrs = tuple(host_maddrs) if not client_mode else ()
+        self._client_mode = client_mode
+        self.host_maddrs = tuple(host_maddrs) if client_mode is not True else ()
         self.announce_maddrs = tuple(announce_maddrs)
+        self.use_relay, self.use_auto_relay, self.auto_nat = use_relay, use_auto_relay, auto_nat
+        self.relays = [Multiaddr(addr) for addr in relays or node_options.pop("trusted_relays", None) or ()]
+        self.force_reachability, self.hole_punching = force_reachability, hole_punching and use_relay
+        self.relay_limits = relay_service if isinstance(relay_service, RelayLimits) else \
+            RelayLimits() if relay_service else None
+        self.use_ipfs, self.ipfs_bootstrap_peers = use_ipfs, ipfs_bootstrap_peers
+        self._reachability = Reachability(force_reachability) if force_reachability else Reachability.UNKNOWN
+        self.relay_client: RelayClient | None = None
+        self.relay_service: RelayService | None = None
+        self.hole_puncher: HolePuncher | None = None
+        self.autonat_service: AutoNATService | None = None
+        self.autonat: AutoNAT | None = None
+        self.kademlia = None  # plexus.p2p.kad.KademliaClient with use_ipfs
+        self._announcer: asyncio.Task | None = None
         self.private_key = load_or_create_identity(identity_path) if identity_path else PrivateKey.generate()
         self.peer_id: PeerID = self.private_key.peer_id
         self._record_validator = CompositeValidator(record_validators)
@@ -72,20 +134,190 @@ class DHT:
             raise TimeoutError(f"the DHT did not start within {timeout or self.startup_timeout} s") from None
 
     async def _start(self) -> None:
-        self.host = await Host(self.private_key, host_maddrs=self.host_maddrs,
-                               announce_maddrs=self.announce_maddrs).start()
+        listening = bool(self.host_maddrs)
+        self.host = await Host(self.private_key, host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
+                               reuse_port=self.hole_punching and listening).start()
         try:
+            self._start_nat_components(listening)
+            if self.use_ipfs:
+                await self._join_kademlia()
+            self.host.peer_router = self._find_peer
             initial_peer_ids = await self._connect_to_initial_peers()
-            self.node = await DHTNode.create(
-                node_id=DHTID.generate(source=self.peer_id.to_bytes()),
-                initial_peers=initial_peer_ids, rpc=HostDHTTransport(self.host), client_mode=self.client_mode,
-                record_validator=self._record_validator, num_workers=self.num_workers, **self._node_options,
-            )
+            await self._decide_reachability(initial_peer_ids)
+            private = self._reachability is Reachability.PRIVATE
+            if private and self.use_auto_relay:
+                await self._reserve_relays(await self._relay_candidates(initial_peer_ids, lookup=False))
+            client_mode = self._client_mode
+            if client_mode is None:  # "auto": a private peer is a client unless a relay makes it reachable
+                if private and self.use_auto_relay and not self.relay_client.reservations:
+                    await self._reserve_relays(await self._relay_candidates(initial_peer_ids, lookup=True))
+                client_mode = private and not (self.relay_client and self.relay_client.reservations)
+            self.node = await self._create_node(initial_peer_ids, client_mode)
+            self._client_mode = client_mode
+            if private and self.use_auto_relay and not client_mode and not self.relay_client.reservations:
+                await self._reserve_relays(await self._relay_candidates(initial_peer_ids, lookup=True))
+            self._advise(private, client_mode)
+            if self.relay_limits is not None and listening and not client_mode and not private:
+                self.relay_service = RelayService(self.host, self.relay_limits).start()
+                if self._reachability is Reachability.PUBLIC:
+                    self._announcer = asyncio.get_running_loop().create_task(self._announce_relay())
         except BaseException:
-            await self.host.shutdown()
+            await self._shutdown()
             raise
-        self.host.peer_router = self._find_peer
-        logger.debug(f"DHT peer {self.peer_id} is ready")
+        logger.debug(f"DHT peer {self.peer_id} is ready ({self.nat_mode}, reachability {self.reachability})")
+
+    async def _create_node(self, initial_peer_ids: list[PeerID], client_mode: bool) -> DHTNode:
+        return await DHTNode.create(
+            node_id=DHTID.generate(source=self.peer_id.to_bytes()),
+            initial_peers=initial_peer_ids, rpc=HostDHTTransport(self.host), client_mode=client_mode,
+            record_validator=self._record_validator, num_workers=self.num_workers, **self._node_options,
+        )
+
+    # --- NAT traversal (see the module docstring) ----------------------------------------------------
+
+    def _start_nat_components(self, listening: bool) -> None:
+        if self.use_relay:
+            if self.hole_punching and listening:
+                self.hole_puncher = HolePuncher(self.host).start()
+            on_inbound = self.hole_puncher.on_inbound_circuit if self.hole_puncher else None
+            self.relay_client = RelayClient(self.host, on_inbound_circuit=on_inbound).start()
+        if self.auto_nat and listening:
+            self.autonat_service = AutoNATService(self.host).start()
+
+    async def _decide_reachability(self, initial_peer_ids: list[PeerID]) -> None:
+        """Ask initial peers to dial us back, when a choice depends on the answer."""
+        needed = self._client_mode is None or self.use_auto_relay
+        if self.force_reachability or not needed or not self.auto_nat or not self.host_maddrs:
+            return
+        servers = []
+        for peer in initial_peer_ids[:MAX_AUTONAT_SERVERS]:
+            connection = self.host.get_connection(peer)
+            if connection is None or getattr(connection, "relayed", False):
+                continue
+            try:
+                info = await self.host.identify(peer, timeout=self.startup_timeout / 4)
+            except (TimeoutError, ConnectionError):
+                continue
+            if autonat_core.PROTOCOL in info.protocols:
+                servers.append(peer)
+        if not servers:
+            logger.debug("no initial peer serves AutoNAT: reachability stays unknown")
+            return
+        self.autonat = AutoNAT(self.host, confidence=min(3, len(servers)))
+        try:
+            async with asyncio.timeout(self.startup_timeout / 2):
+                self._reachability = await self.autonat.probe(servers, MAX_AUTONAT_SERVERS)
+        except TimeoutError:
+            logger.debug("AutoNAT probes timed out: reachability stays unknown")
+
+    async def _relay_candidates(self, initial_peer_ids: list[PeerID], lookup: bool) -> list[list[Multiaddr]]:
+        """Addresses of relays to try, one list per relay: `relays` if given, else initial peers that
+        serve the relay protocol, then (with `lookup`) the relays announced in the DHT."""
+        if self.relays:
+            return [[addr] for addr in self.relays] if not lookup else []
+        candidates: dict[PeerID, list[Multiaddr]] = {}
+        if not lookup:
+            for peer in initial_peer_ids:
+                info = self.host.peer_info(peer)
+                if info is not None and HOP_PROTOCOL in info.protocols and not self._is_reserved(peer):
+                    candidates[peer] = [addr.with_peer_id(peer) for addr in info.addrs if not addr.is_circuit]
+            return [addrs for addrs in candidates.values() if addrs]
+        node = self.node or await self._create_node(initial_peer_ids, client_mode=True)
+        try:
+            found = await node.get(RELAY_KEY, latest=True)
+        finally:
+            if node is not self.node:
+                await node.shutdown()
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        for subkey, entry in entries.items():
+            try:
+                relay = PeerID.from_string(str(subkey))
+                addrs = [Multiaddr(text) for text in entry.value][:MAX_RELAY_CANDIDATES]
+            except (ValueError, TypeError, MultiaddrError):
+                continue  # an announcement we cannot read: skip it
+            if relay != self.peer_id and not self._is_reserved(relay):
+                candidates[relay] = [addr for addr in addrs if addr.peer_id == relay and not addr.is_circuit]
+        relays = [addrs for addrs in candidates.values() if addrs]
+        random.shuffle(relays)  # spread private peers over the announced relays
+        return relays
+
+    def _is_reserved(self, relay: PeerID) -> bool:
+        return self.relay_client is not None and relay in self.relay_client.reservations
+
+    async def _reserve_relays(self, candidates: list[list[Multiaddr]]) -> None:
+        """Reserve on up to MAX_RELAYS of the candidates, a few at once; failures are logged, not raised."""
+        if self.relay_client is None:
+            if candidates:
+                logger.warning("use_auto_relay needs use_relay=True; not reserving any relay")
+            return
+
+        async def reserve(addrs: list[Multiaddr]) -> None:
+            for addr in addrs[:MAX_RELAY_CANDIDATES]:
+                try:
+                    await self.relay_client.reserve(addr)
+                    return
+                except (RelayError, DialError, ProtocolError, ConnectionError, TimeoutError, ValueError) as error:
+                    logger.debug(f"could not reserve a slot on relay {addr}: {error}")
+
+        candidates = candidates[:MAX_RELAY_CANDIDATES]
+        while candidates and len(self.relay_client.reservations) < MAX_RELAYS:
+            batch_size = MAX_RELAYS - len(self.relay_client.reservations)
+            batch, candidates = candidates[:batch_size], candidates[batch_size:]
+            await asyncio.gather(*(reserve(addrs) for addrs in batch))
+
+    def _advise(self, private: bool, client_mode: bool) -> None:
+        if not private or client_mode or (self.relay_client and self.relay_client.reservations):
+            return
+        if self.use_auto_relay:
+            logger.warning("other peers cannot connect to this one (AutoNAT) and no relay gave it a slot: it will "
+                           "miss incoming requests. Pass relays=[...] (--relays), or client_mode=True")
+        else:
+            logger.warning("other peers cannot connect to this one (AutoNAT): it will miss incoming requests. "
+                           "Forward its port and pass announce_maddrs, or use_auto_relay=True, or client_mode=True")
+
+    async def _announce_relay(self) -> None:
+        """Keep this (verified public) peer listed under RELAY_KEY while its relay service runs."""
+        while True:
+            addrs = [str(addr) for addr in self.host.get_visible_maddrs() if not addr.is_circuit]
+            try:
+                await self.node.store(RELAY_KEY, addrs, get_dht_time() + 2 * RELAY_ANNOUNCE_PERIOD,
+                                      subkey=str(self.peer_id))
+            except Exception as error:  # the next round tries again
+                logger.debug(f"could not announce our relay service: {error!r}")
+            await asyncio.sleep(RELAY_ANNOUNCE_PERIOD)  # a periodic refresh, not synchronisation
+
+    @property
+    def reachability(self) -> str:
+        """"public", "private" (AutoNAT or force_reachability) or "unknown" (not asked, or no answer)."""
+        return self._reachability.value
+
+    @property
+    def nat_mode(self) -> str:
+        """"client" (dials out only), "relay" (reachable through relays) or "direct" (listens itself)."""
+        if self._client_mode:
+            return "client"
+        return "relay" if self.relay_client is not None and self.relay_client.reservations else "direct"
+
+    @property
+    def client_mode(self) -> bool:
+        if self._client_mode is None and self._ready is not None:
+            self.wait_until_ready()  # "auto" is decided while starting
+        return bool(self._client_mode)
+
+    async def check_reachability(self, peers: Sequence[PeerID] | None = None, timeout: float = 15.0) -> str:
+        """Ask connected peers (or `peers`) to dial us back now; returns and records the verdict."""
+        servers = [peer for peer in (peers or self.host.connected_peers())
+                   if (info := self.host.peer_info(peer)) and autonat_core.PROTOCOL in info.protocols]
+        self.autonat = AutoNAT(self.host, confidence=max(1, min(3, len(servers))), request_timeout=timeout)
+        self._reachability = await self.autonat.probe(servers, MAX_AUTONAT_SERVERS)
+        return self.reachability
+
+    async def _join_kademlia(self) -> None:
+        from ..p2p.kad import IPFS_BOOTSTRAP_PEERS, KademliaClient
+
+        bootstrap = self.ipfs_bootstrap_peers if self.ipfs_bootstrap_peers is not None else IPFS_BOOTSTRAP_PEERS
+        self.kademlia = KademliaClient(self.host, serve=bool(self.host_maddrs)).start()
+        await self.kademlia.bootstrap([Multiaddr(addr) for addr in bootstrap], timeout=self.startup_timeout / 2)
 
     async def _connect_to_initial_peers(self) -> list[PeerID]:
         """Dial every initial peer at once; fail, naming each address and why, if none answers."""
@@ -103,11 +335,22 @@ class DHT:
 
     async def _find_peer(self, peer_id: PeerID) -> None:
         """Peer routing: node ids are hashes of peer ids, so a lookup of that id reaches the peer
-        itself or its neighbours, and their answers carry its addresses into our host."""
-        await self.node.find_nearest_nodes([DHTID.generate(source=peer_id.to_bytes())], exclude_self=True)
+        itself or its neighbours, and their answers carry its addresses into our host. With
+        `use_ipfs`, the Kademlia DHT is asked too (before we have a node, it is the only way)."""
+        if self.node is not None:
+            await self.node.find_nearest_nodes([DHTID.generate(source=peer_id.to_bytes())], exclude_self=True)
+        info = self.host.peer_info(peer_id)
+        if self.kademlia is not None and not (info and info.addrs):
+            await self.kademlia.find_peer(peer_id)
 
     async def _dial(self, addr: Multiaddr, timeout: float) -> PeerID:
-        connection = await self.host.connect(addr, timeout=timeout)
+        if addr.protocols() == ["p2p"]:  # /p2p/<id> alone: find its addresses (use_ipfs)
+            if self.kademlia is None:
+                raise DialError(f"{addr} has no address to dial: give one, or pass use_ipfs=True to look it up")
+            target: Multiaddr | PeerID = addr.peer_id
+        else:
+            target = addr
+        connection = await self.host.connect(target, timeout=timeout)
         return connection.remote_peer
 
     def shutdown(self) -> None:
@@ -122,8 +365,15 @@ class DHT:
         self._background.run(self._shutdown(), timeout=self.shutdown_timeout + 5)
 
     async def _shutdown(self) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+            await asyncio.gather(self._announcer, return_exceptions=True)
         if self.node is not None:
             await self.node.shutdown()
+        for component in (self.relay_service, self.relay_client, self.hole_puncher, self.autonat_service,
+                          self.kademlia):
+            if component is not None:
+                await component.stop()
         await self.host.shutdown()
 
     def is_alive(self) -> bool:

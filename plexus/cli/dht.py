@@ -6,6 +6,8 @@ of its routing table and how many keys it stores. Stops cleanly on Ctrl+C or SIG
 Example:
     plexus dht --host_maddrs /ip4/0.0.0.0/tcp/31337 --identity_path dht.key
     plexus dht --initial_peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
+    plexus dht --initial_peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... --use_auto_relay   # behind NAT
+    plexus dht --initial_peers /p2p/12D3KooW... --use_ipfs   # find that peer through the IPFS DHT
 """
 
 import signal
@@ -31,6 +33,19 @@ def add_arguments(parser) -> None:
                         "so its peer id and address stay the same across restarts")
     parser.add_argument("--client_mode", action="store_true",
                         help="only dial out: for peers that cannot accept incoming connections")
+    parser.add_argument("--no_relay", action="store_true",
+                        help="do not dial peers through circuit relays (nor accept relayed connections)")
+    parser.add_argument("--use_auto_relay", action="store_true",
+                        help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
+                        "advertise relayed addresses")
+    parser.add_argument("--relays", nargs="*", default=[], metavar="MADDR",
+                        help="relays for --use_auto_relay (default: initial peers that relay, then the DHT's)")
+    parser.add_argument("--force_reachability", choices=["public", "private"],
+                        help="skip AutoNAT and take this as this peer's reachability")
+    parser.add_argument("--use_ipfs", action="store_true",
+                        help="find initial peers given as /p2p/<peer id> through the public IPFS DHT")
+    parser.add_argument("--ipfs_bootstrap_peers", nargs="*", default=None, metavar="MADDR",
+                        help="where to join the Kademlia DHT for --use_ipfs (default: the IPFS bootstrap peers)")
     parser.add_argument("--refresh_period", type=float, default=30.0,
                         help="seconds between status lines (default 30)")
     add_config_argument(parser)
@@ -41,11 +56,18 @@ def run(args) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     dht = DHT(initial_peers=args.initial_peers, start=True, client_mode=args.client_mode,
-              host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs, identity_path=args.identity_path)
+              host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
+              use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay, relays=args.relays,
+              force_reachability=args.force_reachability, use_ipfs=args.use_ipfs,
+              ipfs_bootstrap_peers=args.ipfs_bootstrap_peers)
     try:
         if not args.client_mode:
             maddrs = " ".join(str(addr) for addr in dht.get_visible_maddrs())
             logger.info(f"To connect other peers to this one, use --initial_peers {maddrs}")
+            if args.use_ipfs:
+                logger.info(f"With --use_ipfs, --initial_peers /p2p/{dht.peer_id} is enough")
+        if dht.reachability != "unknown":
+            logger.info(f"reachability: {dht.reachability}; {dht.nat_mode} mode")
         while not stop.wait(args.refresh_period):
             peers, keys = dht.run_coroutine(_status)
             logger.info(f"routing table: {peers} peers; storing {keys} keys")

@@ -207,11 +207,12 @@ class DecentralizedAverager:
 
     def step(self, gather: Any = None, scheduled_time: float | None = None, weight: float | None = None,
              timeout: float | None = None, allow_retries: bool = True, require_trigger: bool = False,
-             wait: bool = True):
+             wait: bool = True, weight_for_group=None):
         """Average once with a group; returns {peer_id: gathered data} of its members.
 
         With `wait=False` returns a StepControl at once (result, cancel, trigger). Raises
-        AveragingError if no round succeeded before `timeout` (default 60 s).
+        AveragingError if no round succeeded before `timeout` (default 60 s). `weight_for_group`:
+        see `StepControl.weight_for_group`.
         """
         if self._ready is None:
             raise RuntimeError("the averager is not running: create it with start=True")
@@ -223,6 +224,7 @@ class DecentralizedAverager:
             scheduled_time = get_dht_time() + self.min_matchmaking_time
         control = StepControl(self._background.loop, scheduled_time=scheduled_time, weight=weight,
                               require_trigger=require_trigger)
+        control.weight_for_group = weight_for_group
         user_gather = MSGPackSerializer.dumps(gather)
         control._attach(self._background.submit(self._step(control, user_gather, timeout, allow_retries)))
         return control.result() if wait else control
@@ -245,7 +247,7 @@ class DecentralizedAverager:
                         await control.wait_for_trigger()
                     control.stage = AveragingStage.RUNNING_ALLREDUCE
                     try:
-                        return await self._run_allreduce(group, control.weight)
+                        return await self._run_allreduce(group, control.weight, control.weight_for_group)
                     except (ConnectionError, TimeoutError, ValueError) as error:
                         failures.append(f"all-reduce in group {group.group_id.hex()[:8]} failed: {error!r}")
                 if not allow_retries or loop.time() + self.request_timeout >= deadline:
@@ -257,12 +259,16 @@ class DecentralizedAverager:
         finally:
             control.stage = AveragingStage.FINISHED
 
-    async def _run_allreduce(self, group, weight: float) -> dict[PeerID, Any]:
+    async def _run_allreduce(self, group, weight: float, weight_for_group=None) -> dict[PeerID, Any]:
         members = [MSGPackSerializer.loads(data) for data in group.gathered]
         for member in members:
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
                 raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
         modes = [AveragingMode(member[1]) for member in members]
+        if weight_for_group is not None and self.mode != AveragingMode.AUX:
+            contributing = {peer: MSGPackSerializer.loads(member[2]) for peer, member, mode
+                            in zip(group.peer_ids, members, modes) if mode != AveragingMode.AUX}
+            weight = float(weight_for_group(contributing, weight))
         bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)]
         total = sum(tensor.numel() for tensor in self._tensors)
         fractions = load_balance_peers(total, bandwidths, self.min_vector_size)

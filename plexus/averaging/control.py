@@ -28,6 +28,11 @@ class StepControl:
         if not require_trigger:
             self._trigger.set()
         self._future: concurrent.futures.Future | None = None
+        self.weight_for_group = None
+        """Optional `(gathered, weight) -> weight`, called once the group is known and the trigger
+        fired, with the user `gather` of every member that contributes (not auxiliary): lets a
+        caller withdraw its contribution from a group it should not average with (e.g. peers at a
+        newer epoch). Runs on the event loop: keep it cheap and non-blocking."""
 
     def _attach(self, future: concurrent.futures.Future) -> None:
         self._future = future

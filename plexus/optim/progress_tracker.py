@@ -29,6 +29,7 @@ from .performance_ema import PerformanceEMA
 logger = get_logger(__name__)
 
 STALE_AFTER_PERIODS = 3
+FIRST_REPORT_TIMEOUT = 10.0
 
 
 class LocalTrainingProgress(pydantic.BaseModel):
@@ -100,7 +101,11 @@ class ProgressTracker:
 
     async def _start_loops(self) -> asyncio.Task:
         self._wake_reporter, self._wake_fetcher = asyncio.Event(), asyncio.Event()
-        self._wake_reporter.set()  # announce ourselves at once: peers starting with us count us in
+        # announce ourselves before start() returns: a peer that starts with us and looks at the
+        # swarm after we started counts us in, instead of running solo epochs (bounded wait)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FIRST_REPORT_TIMEOUT):
+                await self._publish(self.local_progress)
         return asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -179,12 +184,15 @@ class ProgressTracker:
                 continue
             if progress.samples_accumulated > 0:
                 self._last_reported_epoch = progress.epoch
-            try:
-                await self.dht.node.store(self.training_progress_key, progress.model_dump(),
-                                          get_dht_time() + self.metadata_expiration, subkey=self._subkey)
-            except Exception as error:  # the DHT may be briefly unreachable; the next report retries
-                logger.debug(f"could not publish training progress: {error!r}")
+            await self._publish(progress)
             await asyncio.sleep(self.min_refresh_period)  # rate limit, not synchronisation
+
+    async def _publish(self, progress: LocalTrainingProgress) -> None:
+        try:
+            await self.dht.node.store(self.training_progress_key, progress.model_dump(),
+                                      get_dht_time() + self.metadata_expiration, subkey=self._subkey)
+        except Exception as error:  # the DHT may be briefly unreachable; the next report retries
+            logger.debug(f"could not publish training progress: {error!r}")
 
     # --- fetching ----------------------------------------------------------------------------------
 

@@ -16,25 +16,43 @@ accumulated `target_batch_size` samples. Three parts cooperate:
   chosen optimizer statistics) every `average_state_every` epochs, and serves and downloads state.
 
 `step()` is called after every local backward pass: it accumulates, reports progress, and when
-the swarm is ready, runs the global step. A peer that falls behind (or joins late) downloads the
-state and continues at the swarm's epoch. With `use_local_updates`, every `step()` is a local
+the swarm is ready, runs the global step.
+
+Staying in step. A peer's epoch only moves in a round it took part in (or alone, when it sees no
+peers), and the tracker's view of the global epoch never falls below our own, so a peer whose
+tracker shows a newer epoch has missed a step: it downloads the state (parameters, optimizer,
+scheduler, epoch) and drops what it accumulated, instead of averaging its stale gradients into
+the swarm's next epoch as hivemind tolerates for one epoch. As a second guard, gradient rounds
+gather each member's epoch, and a member that finds a newer epoch in its group contributes with
+weight 0 and then downloads the state: gradients of different epochs are never mixed. Peers that
+start together see each other before their first step (the tracker publishes before the
+constructor returns, and a peer about to step alone looks again), so they share epoch 0 instead
+of running solo epochs; a peer that starts late downloads the state at its first step. With `use_local_updates`, every `step()` is a local
 optimizer step and only the state is averaged at epoch boundaries. Delayed updates
 (`delay_optimizer_step`, `delay_grad_averaging`) move the optimizer step and the averaging to the
 background, one epoch stale, as in hivemind.
 
 Differences from hivemind, on purpose: `client_mode` defaults to the DHT's and is honoured when
-given (hivemind ignored it); loading state retries a bounded number of times, then raises; a
-GradScaler requires `reuse_grad_buffers` (the only case its scaling rules are correct for).
+given (hivemind ignored it); loading state makes a bounded number of attempts (then training goes
+on and the load is retried after `max_refresh_period`); peers one epoch behind resynchronise
+instead of contributing stale gradients; a GradScaler requires `reuse_grad_buffers` (the only case
+its scaling rules are correct for). The tutorial's status lines (`Step #N`, `Your current
+contribution`, `Performance`, `Local loss`, `Averaged gradients/parameters with N peers`) are
+logged at each epoch, at INFO with `verbose=True`.
 """
 
+import concurrent.futures
 import contextlib
+import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ..averaging.averager import AveragingError
+from ..averaging.control import AveragingStage, StepControl
 from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
@@ -113,9 +131,16 @@ class Optimizer(torch.optim.Optimizer):
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
             status_loglevel=self.status_loglevel, **(tracker_opts or {}))
-        self._scheduled_grads = None
-        self._fetch_count_at_epoch = None  # set at each epoch change: check synchronization once after it
-        self._last_loss: float | None = None
+        self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
+        self._state_round = None  # a background state round whose outcome is not logged yet
+        self._must_load_state = False  # a gradient round showed that we are behind
+        self._next_load_attempt = 0.0  # time.monotonic() before which a failed catch-up is not retried
+        self._samples_contributed = 0
+        self._losses: list[float] = []
+        self.state_loads = 0
+        """How many times this peer replaced its state with the swarm's (it was behind)."""
+        self.rounds_averaged = 0
+        """How many gradient rounds succeeded with this peer's contribution."""
         # torch's own set-up (hooks, profiling); the real groups and state belong to the wrapped optimizer
         super().__init__([{"params": []}], {})
         self.tracker.fetch_global_progress_now(timeout=averaging_timeout)
@@ -161,7 +186,7 @@ class Optimizer(torch.optim.Optimizer):
         return self.grad_averager is not None
 
     def is_synchronized_with_peers(self) -> bool:
-        return self.local_epoch >= self.tracker.global_progress.epoch - 1
+        return self.local_epoch >= self.tracker.global_progress.epoch
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reuse_grad_buffers:
@@ -203,8 +228,13 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            with contextlib.suppress(Exception):
+                self._losses.append(float(loss))
+        self._log_finished_state_rounds()
 
-        if not self.auxiliary and self._should_load_state_from_peers():
+        if self.auxiliary:
+            self._follow_swarm_epoch()
+        elif self._should_load_state_from_peers():
             logger.log(self.status_loglevel, "Peer is out of sync with the swarm; downloading the state")
             self.load_state_from_peers()
             return loss
@@ -212,6 +242,7 @@ class Optimizer(torch.optim.Optimizer):
         if self.use_local_updates:
             self.state_averager.step(apply_delayed_updates=True, optimizer_step=True, zero_grad=False,
                                      delay_optimizer_step=False)
+            self._samples_contributed += batch_size
             self._report(self.tracker.local_progress.samples_accumulated + batch_size)
         elif not self.auxiliary:
             if grad_scaler is not None and not grad_scaler.are_grads_finite(self, use_cached=True):
@@ -220,8 +251,10 @@ class Optimizer(torch.optim.Optimizer):
                 self._report(0)
                 return loss
             self.grad_averager.accumulate_grads_(batch_size)
+            self._samples_contributed += batch_size
             self._report(self.grad_averager.local_samples_accumulated)
             self.state_averager.step(apply_delayed_updates=True)
+        if self.use_gradient_averaging:
             self._maybe_schedule_gradient_averaging()
 
         if self.tracker.ready_to_update_epoch and self._still_ready_after_a_fresh_look():
@@ -233,60 +266,124 @@ class Optimizer(torch.optim.Optimizer):
         if self.tracker.global_progress.num_peers > 1:
             return True
         self.tracker.fetch_global_progress_now(timeout=self.averaging_timeout)
+        if self.auxiliary and self.tracker.global_progress.num_peers < 1:
+            return False  # an auxiliary peer alone has nothing to help with
         return self.tracker.ready_to_update_epoch
 
     def _report(self, samples: int) -> None:
         self.tracker.report_local_progress(self.local_epoch, samples)
 
     def _should_load_state_from_peers(self) -> bool:
-        """Exactly in step once per epoch (after a fresh look at the swarm), else at most one behind."""
-        global_epoch = self.tracker.global_progress.epoch
-        if self._fetch_count_at_epoch is not None and self.tracker.fetch_count > self._fetch_count_at_epoch:
-            self._fetch_count_at_epoch = None
-            return self.local_epoch != global_epoch
-        return self.local_epoch < global_epoch - 1
+        """Behind the swarm's epoch means our parameters miss its steps: download them.
+
+        Epochs are counted so that a peer that took part in a round is never behind after it (the
+        tracker's estimate never falls below our own epoch), so any peer at a newer epoch means
+        the swarm stepped without us. A load that left us behind (no donor yet, or a dead peer's
+        record) is retried only after `max_refresh_period`, not at every batch."""
+        if self._must_load_state:
+            return True
+        behind = self.local_epoch < self.tracker.global_progress.epoch
+        return behind and time.monotonic() >= self._next_load_attempt
+
+    def _follow_swarm_epoch(self) -> None:
+        """An auxiliary peer holds no model of its own to fix: it just moves to the swarm's epoch."""
+        epoch = self.tracker.global_progress.epoch
+        if epoch > self.local_epoch:
+            self._release_scheduled_grads()
+            self.state_averager.local_epoch = epoch
+            self.state_averager.step(apply_delayed_updates=True)  # catches the scheduler up
+            self._set_epoch_everywhere()
 
     def _maybe_schedule_gradient_averaging(self) -> None:
         progress = self.tracker.global_progress
         eta = self.tracker.estimated_next_update_time - get_dht_time()
         if progress.num_peers > 1 and eta <= self.matchmaking_time and _idle(self._scheduled_grads):
-            scheduled_time = max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1)
-            self._scheduled_grads = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout)
+            self._scheduled_grads = self._schedule_gradient_round(
+                max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1))
+
+    def _schedule_gradient_round(self, scheduled_time: float | None = None) -> StepControl:
+        """Matchmaking for this epoch's gradients. Members gather their epoch; a peer that finds a
+        member at a newer epoch contributes with weight 0 (see `_withdraw_if_behind`), so the
+        gradients of peers at different epochs are never mixed."""
+        epoch = self.local_epoch
+        control = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout,
+                                                   gather=None if self.auxiliary else epoch)
+        control.weight_for_group = functools.partial(_withdraw_if_behind, epoch)
+        return control
+
+    def _release_scheduled_grads(self) -> None:
+        """Leave a pre-scheduled gradient round without holding anyone up: a group that is formed
+        gets our trigger with weight 0 (it averages without us); a search still running is cancelled."""
+        control, self._scheduled_grads = self._scheduled_grads, None
+        if control is None or control.done():
+            return
+        if control.stage == AveragingStage.AWAITING_TRIGGER and not control.triggered:
+            with contextlib.suppress(RuntimeError):
+                control.weight = 0.0
+                control.allow_allreduce()
+                with contextlib.suppress(Exception):
+                    control.result(self.averaging_timeout)
+                return
+        control.cancel()
+        _wait_until_unwound(control)
 
     def _update_global_epoch(self, grad_scaler: GradScaler | None) -> None:
+        behind = False
         with self.tracker.pause_updates():
             progress = self.tracker.global_progress
             swarm_has_peers = progress.num_peers > 1
             wait_for_trigger = None
             if self.use_gradient_averaging:
-                wait_for_trigger = self._average_gradients(swarm_has_peers, grad_scaler)
-            next_epoch = max(self.local_epoch + 1, progress.epoch)
-            average_state = swarm_has_peers and next_epoch % self.average_state_every == 0
-            output = self.state_averager.step(
-                increment_epoch=True, wait_for_trigger=wait_for_trigger,
-                optimizer_step=not self.auxiliary and not self.use_local_updates,
-                zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
-                delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
-                delay_averaging=(self.delay_state_averaging or self.delay_optimizer_step) and not self.auxiliary,
-                averaging_opts=dict(timeout=self.averaging_timeout) if average_state else None,
-                grad_scaler=grad_scaler)
-            if self.offload_optimizer and self.use_gradient_averaging:
-                self.grad_averager.notify_used_averaged_gradients()  # the offloaded step reads them in place
-            if output:
-                logger.log(self.status_loglevel, f"Averaged parameters with {len(output)} peers")
-            if self.state_averager.local_epoch < progress.epoch:  # a late peer catches up on the count
-                self.state_averager.local_epoch = progress.epoch
-            self.tracker.update_epoch(self.local_epoch)
-            self._fetch_count_at_epoch = self.tracker.fetch_count
-            self.state_averager.state_sharing_priority = self.local_epoch
-            if self.grad_averager is not None:
-                self.grad_averager.state_sharing_priority = self.local_epoch
-            if self.use_local_updates:
-                self._report(0)
-        logger.log(self.status_loglevel, f"Transitioned to epoch {self.local_epoch}")
+                outcome = self._average_gradients(swarm_has_peers, grad_scaler)
+                behind = outcome is _BEHIND
+                wait_for_trigger = None if behind else outcome
+            if not behind:
+                self._step_state(progress, swarm_has_peers, wait_for_trigger, grad_scaler)
+        if behind:
+            logger.log(self.status_loglevel, "Peers averaged gradients for a newer epoch: this peer is behind "
+                                             "and downloads the state instead of stepping")
+            self.load_state_from_peers()
+            return
+        self._log_transition()
+
+    def _step_state(self, progress, swarm_has_peers: bool, wait_for_trigger, grad_scaler) -> None:
+        next_epoch = max(self.local_epoch + 1, progress.epoch)
+        average_state = (swarm_has_peers and next_epoch % self.average_state_every == 0
+                         and not self.state_averager.averaging_in_progress)
+        output = self.state_averager.step(
+            increment_epoch=True, wait_for_trigger=wait_for_trigger,
+            optimizer_step=not self.auxiliary and not self.use_local_updates,
+            zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
+            delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
+            delay_averaging=(self.delay_state_averaging or self.delay_optimizer_step) and not self.auxiliary,
+            averaging_opts=dict(timeout=self.averaging_timeout, gather=next_epoch,
+                                weight_for_group=functools.partial(_keep_unless_same_epoch, next_epoch))
+            if average_state else None,
+            grad_scaler=grad_scaler)
+        if average_state:
+            self._state_round = self.state_averager._last_averaging_stage
+        if self.offload_optimizer and self.use_gradient_averaging:
+            self.grad_averager.notify_used_averaged_gradients()  # the offloaded step reads them in place
+        if output:
+            logger.log(self.status_loglevel, f"Averaged parameters with {len(output)} peers")
+            self._state_round = None
+        if self.state_averager.local_epoch < progress.epoch:  # a peer stepping alone catches up on the count
+            self.state_averager.local_epoch = progress.epoch
+        self._set_epoch_everywhere()
+        if self.use_local_updates:
+            self._report(0)
+
+    def _set_epoch_everywhere(self) -> None:
+        self.tracker.update_epoch(self.local_epoch)
+        self.state_averager.state_sharing_priority = self.local_epoch
+        if self.grad_averager is not None:
+            self.grad_averager.state_sharing_priority = self.local_epoch
 
     def _average_gradients(self, swarm_has_peers: bool, grad_scaler: GradScaler | None):
-        """Start (or trigger) the gradient round; wait for it now or hand the wait to the state averager."""
+        """Start (or trigger) the gradient round; wait for it now or hand the wait to the state averager.
+
+        Returns the hook for the state averager's optimizer stage, or `_BEHIND` when the group was
+        at a newer epoch (then nothing was stepped)."""
         if self.delay_optimizer_step:
             self.state_averager.step(wait_for_delayed_updates=True)  # the previous step read the buffers
         if grad_scaler is not None:
@@ -294,26 +391,40 @@ class Optimizer(torch.optim.Optimizer):
                 grad_scaler.unscale_(self)
         control, self._scheduled_grads = self._scheduled_grads, None
         if not swarm_has_peers:
-            if control is not None:
-                control.cancel()
+            if control is not None and not control.done():
+                self._scheduled_grads = control
+                self._release_scheduled_grads()
             self.grad_averager.load_accumulators_into_averager_()
             self.grad_averager.reset_accumulated_grads_()
             return None if self.offload_optimizer else self._averaged_gradients_into_params()
-        if control is None:
-            control = self.grad_averager.schedule_step(timeout=self.averaging_timeout)
+        if control is None or control.done():  # none scheduled, or its search already gave up
+            control = self._schedule_gradient_round()
+        epoch = self.local_epoch
         self.grad_averager.step(control=control, reset_accumulators=True, wait=False)
 
-        def wait_for_gradients() -> None:
+        def wait_for_gradients() -> bool:
+            """Wait for the round; True when it showed that this peer is behind the swarm."""
             try:
-                group = control.result(self.averaging_timeout)
-                logger.log(self.status_loglevel, f"Averaged gradients with {len(group)} peers")
-            except (AveragingError, TimeoutError, ConnectionError) as error:
+                gathered = control.result(self.averaging_timeout)
+            except (AveragingError, TimeoutError, ConnectionError, concurrent.futures.CancelledError) as error:
                 reason = str(error) or f"no result within {self.averaging_timeout} s"
                 logger.log(self.status_loglevel, f"Proceeding with local gradients: {reason}")
+                return False
+            except Exception as error:  # never let a broken round stop training
+                logger.warning(f"Proceeding with local gradients: the round failed with {error!r}")
+                return False
+            if _newest_epoch(gathered, epoch) > epoch:
+                self._must_load_state = True  # also read by step() when this ran in the background
+                return True
+            logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
+            self.rounds_averaged += 1
+            return False
 
         if self.delay_grad_averaging:
             return wait_for_gradients
-        wait_for_gradients()
+        if wait_for_gradients():
+            self.grad_averager.notify_used_averaged_gradients()
+            return _BEHIND
         return None if self.offload_optimizer else self._averaged_gradients_into_params()
 
     def _averaged_gradients_into_params(self):
@@ -332,27 +443,50 @@ class Optimizer(torch.optim.Optimizer):
 
         return swap_in
 
+    # --- logs ---------------------------------------------------------------------------------------
+
+    def _log_transition(self) -> None:
+        level = self.status_loglevel
+        logger.log(level, f"Step #{self.local_epoch}")
+        if not self.auxiliary:
+            logger.log(level, f"Your current contribution: {self._samples_contributed} samples")
+            logger.log(level, f"Performance: {self.tracker.performance_ema.samples_per_second:.3f} samples/sec")
+        if self._losses:
+            logger.log(level, f"Local loss: {sum(self._losses) / len(self._losses):.5f}")
+            self._losses.clear()
+
+    def _log_finished_state_rounds(self) -> None:
+        """A background state round that ended since the last step: say how it went."""
+        stage = self._state_round
+        if stage is None or not stage.done():
+            return
+        self._state_round = None
+        gathered = None if stage.cancelled() or stage.exception() is not None else stage.result()
+        if gathered:
+            logger.log(self.status_loglevel, f"Averaged parameters with {len(gathered)} peers")
+
     # --- state --------------------------------------------------------------------------------------
 
     def load_state_from_peers(self, **kwargs) -> None:
         """Download parameters, optimizer state and epoch from up-to-date peers (bounded attempts)."""
-        if self._scheduled_grads is not None:  # tag along with weight 0 so our group is not left waiting
-            self._scheduled_grads.weight = 0
+        self._release_scheduled_grads()
+        self._must_load_state = False
         with self.tracker.pause_updates():
             try:
-                self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
+                loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             except StateLoadError as error:
                 logger.warning(f"Could not load state from peers: {error}")
-                return
-            if self.grad_averager is not None:
+                loaded = False
+            if loaded and self.grad_averager is not None:
                 self.grad_averager.reset_accumulated_grads_()
-                if self._scheduled_grads is not None:
-                    self._scheduled_grads.cancel()
-                    self._scheduled_grads = None
-            self.tracker.update_epoch(self.local_epoch)
-            self._fetch_count_at_epoch = self.tracker.fetch_count
-            self.state_averager.state_sharing_priority = self.local_epoch
-        logger.log(self.status_loglevel, f"Loaded state from peers: now at epoch {self.local_epoch}")
+                self.grad_averager.notify_used_averaged_gradients()
+            self._set_epoch_everywhere()
+        if loaded:
+            self.state_loads += 1
+            self._losses.clear()
+            logger.log(self.status_loglevel, f"Loaded state from peers: now at epoch {self.local_epoch}")
+        if self.local_epoch < self.tracker.global_progress.epoch:  # no up-to-date donor yet: retry later
+            self._next_load_attempt = time.monotonic() + self.tracker.max_refresh_period
 
     def shutdown(self) -> None:
         logger.log(self.status_loglevel, "Sending goodbye to peers...")
@@ -369,8 +503,39 @@ class Optimizer(torch.optim.Optimizer):
         return f"<plexus.Optimizer {self.run_id} epoch={self.local_epoch} wrapping {type(self.opt).__name__}>"
 
 
+_BEHIND = object()  # _average_gradients: the group showed that this peer is behind the swarm
+UNWIND_TIMEOUT = 10.0
+
+
 def _idle(control) -> bool:
     return control is None or control.done()
+
+
+def _newest_epoch(gathered: dict, default: int) -> int:
+    epochs = [e for e in gathered.values() if isinstance(e, int) and not isinstance(e, bool)]
+    return max(epochs, default=default)
+
+
+def _withdraw_if_behind(epoch: int, gathered: dict, weight: float) -> float:
+    """StepControl.weight_for_group: contribute nothing to a group that holds a newer epoch."""
+    return 0.0 if _newest_epoch(gathered, epoch) > epoch else weight
+
+
+def _keep_unless_same_epoch(epoch: int, gathered: dict, weight: float) -> float:
+    """StepControl.weight_for_group of state rounds: if members are at different epochs, every member
+    (each sees the same group) contributes weight 0, and the all-reduce leaves all states as they
+    were, instead of averaging parameters that differ by whole optimizer steps."""
+    epochs = set(gathered.values())
+    return weight if epochs <= {epoch} else 0.0
+
+
+def _wait_until_unwound(control: StepControl) -> None:
+    """A cancelled step leaves matchmaking a moment after its future ends; the next round of the
+    same averager may only start after that (bounded)."""
+    deadline = time.monotonic() + UNWIND_TIMEOUT
+    while control.stage in (AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _check_options(client_mode, auxiliary, offload_optimizer, delay_optimizer_step, delay_grad_averaging,

@@ -197,8 +197,45 @@ def test_silent_peers_time_out_and_are_skipped():
         for node in silent:
             network.make_unresponsive(node.peer_id)
         assert (await nodes[1].get("k", latest=True)).value == "v"
-        for node in silent:  # they failed once: banned, out of the table, not asked again for a while
-            assert nodes[1].blacklist.is_banned(node.peer_id, get_dht_time()) or node.peer_id not in nodes[1].routing_table
+        # their requests time out in the background (the lookup stopped waiting for them): each is
+        # then banned and out of the table, not asked again for a while
+        assert await wait_until(lambda: all(
+            nodes[1].blacklist.is_banned(node.peer_id, get_dht_time()) or node.peer_id not in nodes[1].routing_table
+            for node in silent), timeout=5)
+        await shutdown(nodes)
+
+    run(main())
+
+
+async def wait_until(predicate, timeout: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.01)  # polling with a deadline for background work
+    return True
+
+
+def test_lookups_stop_waiting_for_silent_peers_long_before_the_request_timeout():
+    """Silent peers among the nearest no longer cost every lookup the whole `wait_timeout`: a
+    request outstanding past the learned straggler limit stops holding the lookup up."""
+
+    async def main():
+        network = MemoryNetwork(latency=0.002)
+        nodes = await make_swarm(network, 30, wait_timeout=5.0)
+        key_id = DHTID.generate("k")
+        assert await nodes[0].store("k", "v", get_dht_time() + 60)
+        holders = {node.peer_id for node in nodes if node.storage.get(key_id, get_dht_time())}
+        nearest = sorted(nodes[2:], key=lambda node: node.node_id ^ key_id)
+        silent = [node for node in nearest if node.peer_id in holders][:2] + nearest[:3]
+        for node in silent:
+            network.make_unresponsive(node.peer_id)
+        reader = nodes[1]
+        assert reader.latency.srtt is not None and reader.latency.straggler_timeout() < 1.0
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert (await reader.get("k", latest=True)).value == "v"
+        assert loop.time() - started < 2.5, "the lookup waited for the silent peers' full timeout"
         await shutdown(nodes)
 
     run(main())

@@ -22,6 +22,7 @@ from ..utils.timed_storage import ValueWithExpiration
 from ..utils.timing import DHTExpiration, get_dht_time
 from .blacklist import Blacklist
 from .cache_refresh import CacheRefreshQueue
+from .latency import DEFAULT_FLOOR, LatencyEstimator
 from .messages import (
     MAX_KEYS_PER_REQUEST,
     DHTProtocolError,
@@ -119,6 +120,7 @@ class DHTNode:
             addresses_of=rpc.known_addresses,
         )
         self.blacklist = Blacklist(blacklist_time, backoff_rate)
+        self.latency = LatencyEstimator(ceiling=wait_timeout, floor=min(DEFAULT_FLOOR, wait_timeout))
         self._rpc_slots = asyncio.Semaphore(parallel_rpc or DEFAULT_PARALLEL_RPC)
         self._tasks: set[asyncio.Task] = set()
         self._pending_gets: dict[DHTID, tuple[DHTExpiration, asyncio.Future]] = {}
@@ -171,7 +173,10 @@ class DHTNode:
         """Send one request; on any failure ban the peer and drop it from the table, then re-raise."""
         try:
             async with self._rpc_slots:
+                loop = asyncio.get_running_loop()
+                sent_at = loop.time()
                 data = await self.rpc.call(peer_id, request.encode(), self.wait_timeout)
+                self.latency.observe(loop.time() - sent_at)
             response = decode_response(data, expected)
         except asyncio.CancelledError:
             raise
@@ -328,17 +333,24 @@ class DHTNode:
 
     async def _traverse(self, traversal: Traversal, on_result=None) -> None:
         """Drive a Traversal: keep its requests in flight, feed it answers, stop when it is done.
-        `on_result(request, query, filtered_result)` sees every answer for every query."""
+        `on_result(request, query, filtered_result)` sees every answer for every query.
+
+        Requests outstanding past the traversal's straggler timeout stop holding the lookup up
+        (see traverse.py). When the lookup ends, stragglers are left to finish in the background
+        (bounded by `wait_timeout`), so a silent peer is still banned and dropped from the routing
+        table, and a slow one refreshed in it; the other requests still in flight are cancelled."""
         pending: dict[asyncio.Task, TraversalRequest] = {}
         loop = asyncio.get_running_loop()
         try:
             while True:
-                for request in traversal.next_queries():
+                for request in traversal.next_queries(loop.time()):
                     find = FindRequest(self.protocol.own_id, request.queries)
                     pending[loop.create_task(self._call(request.peer_id, find, FindResponse))] = request
                 if traversal.done or not pending:
                     return
-                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                deadline = traversal.next_deadline()
+                timeout = None if deadline is None else max(0.0, deadline - loop.time())
+                finished, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 now = get_dht_time()
                 for task in finished:
                     request = pending.pop(task)
@@ -361,10 +373,22 @@ class DHTNode:
                             on_result(request, query, self.protocol.filter_found(query, result, now))
                     traversal.on_response(request, neighbours)
         finally:
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            cancelled = []
+            for task, request in pending.items():
+                if traversal.is_straggler(request) and self.is_alive and len(self._tasks) < MAX_BACKGROUND_TASKS:
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                else:
+                    task.cancel()
+                    cancelled.append(task)
+            if cancelled:
+                await asyncio.gather(*cancelled, return_exceptions=True)
+
+    def _new_traversal(self, queries: Collection[DHTID], beam_size: int, num_workers: int | None) -> Traversal:
+        return Traversal(
+            queries, self._initial_nodes(queries, beam_size), beam_size, num_workers or self.num_workers,
+            exclude=[self.node_id], straggler_timeout=self.latency.straggler_timeout(),
+        )
 
     async def find_nearest_nodes(
         self,
@@ -379,10 +403,7 @@ class DHTNode:
         queries = list(dict.fromkeys(queries))
         k_nearest = k_nearest or self.bucket_size
         beam_size = max(beam_size or self.bucket_size, k_nearest)
-        traversal = Traversal(
-            queries, self._initial_nodes(queries, beam_size), beam_size, num_workers or self.num_workers,
-            exclude=[self.node_id],
-        )
+        traversal = self._new_traversal(queries, beam_size, num_workers)
         await self._traverse(traversal)
         nearest = {}
         for query in queries:
@@ -563,10 +584,7 @@ class DHTNode:
         self, key_ids: list[DHTID], merged: DHTLocalStorage, sufficient: float, num_workers, beam_size
     ) -> None:
         beam_size = beam_size or self.bucket_size
-        traversal = Traversal(
-            key_ids, self._initial_nodes(key_ids, beam_size), beam_size, num_workers or self.num_workers,
-            exclude=[self.node_id],
-        )
+        traversal = self._new_traversal(key_ids, beam_size, num_workers)
         answers: dict[DHTID, list[tuple[float, DHTID, PeerID]]] = {key_id: [] for key_id in key_ids}
 
         def on_result(request: TraversalRequest, key_id: DHTID, result: FindResult) -> None:

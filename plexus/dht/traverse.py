@@ -12,7 +12,16 @@ A query is finished when the caller says so (`finish`, e.g. a fresh enough value
 when its beam has settled: no candidate and no request in flight is nearer than the farthest
 member of a full beam (or, with the beam not full, nothing is left to ask or wait for). The
 lookup is `done` when every query is finished; the driver then drops requests still in flight.
-Nothing here knows about values, time or the network.
+
+Stragglers. A silent peer (frozen, or its network cut) would otherwise hold every lookup that
+asked it until the driver's timeout. With `straggler_timeout` set, a request outstanding that long
+(by the `now` the driver passes to `next_queries`/`handle_timer`; `next_deadline()` says when to
+look again) becomes a *straggler*, as libp2p's Kademlia lookups mark peers unresponsive: it no
+longer blocks any query from finishing and no longer takes one of the `num_workers` slots, so
+the next candidate is asked in its place. Its answer still counts if it comes before the lookup
+is done; its failure still excludes the peer. At most `max_stragglers` may be outstanding, which
+bounds how far a lookup can outgrow `num_workers` when every peer is slow. Time is only ever a
+parameter here: nothing reads a clock, a value or the network.
 """
 
 import dataclasses
@@ -34,6 +43,7 @@ class TraversalRequest:
     node_id: DHTID
     peer_id: PeerID
     queries: tuple[DHTID, ...]
+    sent_at: float = 0.0
 
 
 class _QueryState:
@@ -59,9 +69,16 @@ class Traversal:
         num_workers: int = 4,
         queries_per_call: int | None = None,
         exclude: Iterable[DHTID] = (),
+        straggler_timeout: float | None = None,
+        max_stragglers: int | None = None,
     ):
         if beam_size < 1 or num_workers < 1:
             raise ValueError("beam_size and num_workers must be positive")
+        if straggler_timeout is not None and straggler_timeout < 0:
+            raise ValueError(f"straggler_timeout must be non-negative, got {straggler_timeout}")
+        self.straggler_timeout = straggler_timeout
+        self.max_stragglers = 4 * num_workers if max_stragglers is None else max_stragglers
+        self._stragglers: set[TraversalRequest] = set()
         self._states = {query: _QueryState(query) for query in queries}
         self.beam_size, self.num_workers = beam_size, num_workers
         self.queries_per_call = queries_per_call or max(1, math.isqrt(len(self._states)))
@@ -104,8 +121,30 @@ class Traversal:
                 state.finished = True
         return state.finished
 
-    def next_queries(self) -> list[TraversalRequest]:
-        """Requests to send now, keeping at most `num_workers` in flight; may be empty."""
+    def handle_timer(self, now: float) -> None:
+        """Turn requests outstanding for `straggler_timeout` or longer into stragglers, oldest
+        first, while fewer than `max_stragglers` are outstanding."""
+        if self.straggler_timeout is None:
+            return
+        overdue = sorted((r for r in self._in_flight if now - r.sent_at >= self.straggler_timeout),
+                         key=lambda r: r.sent_at)
+        for request in overdue[: max(0, self.max_stragglers - len(self._stragglers))]:
+            self._in_flight.discard(request)
+            self._stragglers.add(request)
+            for query in request.queries:
+                self._states[query].in_flight.remove(request.node_id)
+
+    def next_deadline(self) -> float | None:
+        """When the oldest request in flight turns into a straggler; None when time alone changes
+        nothing (no straggler timeout, nothing in flight, or `max_stragglers` outstanding)."""
+        if self.straggler_timeout is None or not self._in_flight or len(self._stragglers) >= self.max_stragglers:
+            return None
+        return min(request.sent_at for request in self._in_flight) + self.straggler_timeout
+
+    def next_queries(self, now: float = 0.0) -> list[TraversalRequest]:
+        """Requests to send now (stamped `now`), keeping at most `num_workers` in flight besides
+        the stragglers; may be empty. Runs `handle_timer(now)` first."""
+        self.handle_timer(now)
         requests = []
         while len(self._in_flight) < self.num_workers:
             open_states = [s for s in self._states.values() if not self._update_finished(s)]
@@ -116,7 +155,8 @@ class Traversal:
             _, node_id = heapq.heappop(primary.candidates)
             others = [s for s in askable if s is not primary and node_id not in s.asked]
             others = heapq.nsmallest(self.queries_per_call - 1, others, key=lambda s: s.query ^ node_id)
-            request = TraversalRequest(node_id, self._peers[node_id], tuple(s.query for s in (primary, *others)))
+            queries = tuple(s.query for s in (primary, *others))
+            request = TraversalRequest(node_id, self._peers[node_id], queries, now)
             for state in (primary, *others):
                 state.asked.add(node_id)
                 state.in_flight.append(node_id)
@@ -125,14 +165,18 @@ class Traversal:
         return requests
 
     def _complete(self, request: TraversalRequest) -> list[_QueryState]:
-        self._in_flight.discard(request)
         states = [self._states[query] for query in request.queries]
+        if request in self._stragglers:  # no longer counted in any query's in_flight
+            self._stragglers.discard(request)
+            return states
+        self._in_flight.discard(request)
         for state in states:
             state.in_flight.remove(request.node_id)
         return states
 
     def on_response(self, request: TraversalRequest, neighbours: Mapping[DHTID, Neighbours]) -> None:
-        """The peer answered: it joins the beam of each query it was asked, its neighbours become candidates."""
+        """The peer answered (a straggler too): it joins the beam of each query it was asked, and
+        its neighbours become candidates of the queries still open."""
         for state in self._complete(request):
             entry = (-(request.node_id ^ state.query), request.node_id)
             if len(state.beam) < self.beam_size:
@@ -159,7 +203,15 @@ class Traversal:
 
     @property
     def in_flight(self) -> int:
+        """Requests in flight that still hold their queries open (stragglers not counted)."""
         return len(self._in_flight)
+
+    def is_straggler(self, request: TraversalRequest) -> bool:
+        return request in self._stragglers
+
+    @property
+    def stragglers(self) -> int:
+        return len(self._stragglers)
 
     def nearest(self, query: DHTID) -> list[tuple[DHTID, PeerID]]:
         """The peers that answered for `query`, nearest first (at most `beam_size`)."""
@@ -168,4 +220,5 @@ class Traversal:
 
     def __repr__(self) -> str:
         finished = sum(state.finished for state in self._states.values())
-        return f"Traversal({finished}/{len(self._states)} finished, {len(self._in_flight)} in flight)"
+        return (f"Traversal({finished}/{len(self._states)} finished, {len(self._in_flight)} in flight, "
+                f"{len(self._stragglers)} straggling)")

@@ -313,11 +313,15 @@ class DHT:
         return self.reachability
 
     async def _join_kademlia(self) -> None:
-        from ..p2p.kad import IPFS_BOOTSTRAP_PEERS, KademliaClient
+        from ..p2p.kad import IPFS_BOOTSTRAP_PEERS, KademliaClient, KademliaError
 
         bootstrap = self.ipfs_bootstrap_peers if self.ipfs_bootstrap_peers is not None else IPFS_BOOTSTRAP_PEERS
         self.kademlia = KademliaClient(self.host, serve=bool(self.host_maddrs)).start()
-        await self.kademlia.bootstrap([Multiaddr(addr) for addr in bootstrap], timeout=self.startup_timeout / 2)
+        try:
+            await self.kademlia.bootstrap([Multiaddr(addr) for addr in bootstrap], timeout=self.startup_timeout / 3)
+        except KademliaError as error:  # initial peers given by address still work
+            logger.warning(f"use_ipfs: {error}. Peers given as /p2p/<id> alone cannot be found; "
+                           f"check the network, or pass ipfs_bootstrap_peers")
 
     async def _connect_to_initial_peers(self) -> list[PeerID]:
         """Dial every initial peer at once; fail, naming each address and why, if none answers."""
@@ -347,10 +351,12 @@ class DHT:
         if addr.protocols() == ["p2p"]:  # /p2p/<id> alone: find its addresses (use_ipfs)
             if self.kademlia is None:
                 raise DialError(f"{addr} has no address to dial: give one, or pass use_ipfs=True to look it up")
-            target: Multiaddr | PeerID = addr.peer_id
+            try:
+                connection = await self.host.connect(addr.peer_id, timeout=timeout)
+            except DialError as error:
+                raise DialError(f"{error} (looked up through the Kademlia DHT)") from None
         else:
-            target = addr
-        connection = await self.host.connect(target, timeout=timeout)
+            connection = await self.host.connect(addr, timeout=timeout)
         return connection.remote_peer
 
     def shutdown(self) -> None:

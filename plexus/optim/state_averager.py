@@ -607,6 +607,25 @@ class TrainingStateAverager(DecentralizedAverager):
                 self._controls.discard(control)
                 _wait_until_unwound(control)
 
+    def finish_background_work(self, timeout: float) -> bool:
+        """Before leaving: cancel rounds that have not begun their all-reduce (nobody waits for a
+        member that never sent), wait up to `timeout` s for the rest (optimizer steps, all-reduces
+        under way) and apply what finished. Returns False if work was still running at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for control in list(self._controls):
+                if not control.began_allreduce:
+                    control.cancel()
+            pending = [future for future in self._pending if not future.done()]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            concurrent.futures.wait(pending, timeout=min(left, 0.1))  # a stage may create its round late
+        self._collect_finished()
+        self._apply_pending_result()
+        self._sync_model_parameters()
+        return not any(not future.done() for future in self._pending)
+
     def _wait_for_pending(self) -> None:
         """Wait for every background stage (each is bounded: rounds by their timeout)."""
         if self._pending:

@@ -489,11 +489,15 @@ class Optimizer(torch.optim.Optimizer):
             self._next_load_attempt = time.monotonic() + self.tracker.max_refresh_period
 
     def shutdown(self) -> None:
+        """Leave the swarm: withdraw our progress record, finish or cancel background rounds (at
+        most `shutdown_timeout` s; rounds still matchmaking are cancelled at once), stop averagers."""
         logger.log(self.status_loglevel, "Sending goodbye to peers...")
-        if self._scheduled_grads is not None:
-            self._scheduled_grads.cancel()
+        control, self._scheduled_grads = self._scheduled_grads, None
+        if control is not None:
+            control.cancel()
         self.tracker.shutdown(self.shutdown_timeout)
-        self.state_averager.step(wait_for_delayed_updates=True)
+        if not self.state_averager.finish_background_work(self.shutdown_timeout):
+            logger.warning(f"background averaging did not finish within {self.shutdown_timeout} s; left it")
         self.state_averager.shutdown()
         if self.grad_averager is not None:
             self.grad_averager.shutdown()

@@ -11,8 +11,10 @@ $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 	bash scripts/setup_env.sh $(VENV)
 	touch $@
 
+# The demo: a monitor and four trainers pre-train a tiny ALBERT on 127.0.0.1 (examples/albert/README.md).
+# Options go through DEMO_ARGS, e.g. make demo DEMO_ARGS="--steps 10 --trainers 2".
 demo: setup
-	$(VENV)/bin/plexus demo
+	$(VENV)/bin/plexus demo $(DEMO_ARGS)
 
 test: setup
 	$(PY) scripts/fetch_p2pd.py

@@ -17,8 +17,8 @@ def test_help_lists_the_commands():
     assert result.returncode == 0 and "demo" in result.stdout
 
 
-def test_demo_pings_between_two_local_peers():
-    result = plexus("demo", "--pings", "2")
+def test_demo_ping_only_pings_between_two_local_peers():
+    result = plexus("demo", "--ping-only", "--pings", "2")
     assert result.returncode == 0, result.stderr
     assert "--initial_peers /ip4/127.0.0.1/tcp/" in result.stderr
     assert "ping 2/2" in result.stderr
@@ -27,3 +27,9 @@ def test_demo_pings_between_two_local_peers():
 def test_bad_arguments_get_a_clear_error():
     result = plexus("demo", "--pings", "many")
     assert result.returncode == 2 and "invalid int value" in result.stderr
+
+
+def test_demo_help_describes_the_albert_swarm():
+    result = plexus("demo", "--help")
+    assert result.returncode == 0
+    assert "--steps" in result.stdout and "client-mode trainer" in result.stdout and "--ping-only" in result.stdout

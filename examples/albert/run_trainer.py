@@ -57,6 +57,10 @@ class CollaborationArguments:
     initial_peers: list[str] = field(
         default_factory=list, metadata={"help": "multiaddresses of peers already in the swarm (monitor or trainers)"}
     )
+    use_ipfs: bool = field(
+        default=False, metadata={"help": "find initial peers given as /p2p/<peer id> alone through the IPFS DHT "
+                                         "(all peers should use it)"}
+    )
     host_maddrs: list[str] = field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata={"help": "addresses to listen on"}
     )
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None):
 
         dht = plexus.DHT(initial_peers=collab.initial_peers, start=True, host_maddrs=collab.host_maddrs,
                          announce_maddrs=collab.announce_maddrs, identity_path=collab.identity_path,
-                         client_mode=collab.client_mode)
+                         client_mode=collab.client_mode, use_ipfs=collab.use_ipfs)
         validators, subkey = make_validators(collab.run_id, dht.private_key)
         dht.add_validators(validators)
         if collab.client_mode:

@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     swarm = parser.add_argument_group("swarm")
     swarm.add_argument("--run_id", default="albert", help="the collaboration's name, as the trainers' (default: albert)")
     swarm.add_argument("--initial_peers", nargs="*", default=[], help="other monitors or trainers to join, if any")
+    swarm.add_argument("--use_ipfs", action="store_true",
+                       help="be findable (and find --initial_peers given as /p2p/<peer id>) through the IPFS DHT")
     swarm.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"],
                        help="addresses to listen on (default: any interface, a random port)")
     swarm.add_argument("--announce_maddrs", nargs="*", default=[],
@@ -178,7 +180,8 @@ def main(argv=None):
     use_plexus_log_handler()
     stop_on_signals()
     dht = plexus.DHT(initial_peers=args.initial_peers, start=True, host_maddrs=args.host_maddrs,
-                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path)
+                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
+                     use_ipfs=args.use_ipfs)
     validators, _ = make_validators(args.run_id, dht.private_key)
     dht.add_validators(validators)
     addresses = [str(addr) for addr in dht.get_visible_maddrs()]

@@ -1,28 +1,70 @@
-"""Start two Plexus peers on 127.0.0.1 and ping one from the other.
+"""Pre-train a tiny ALBERT with a swarm on this machine: a monitor, three trainers, one client-mode trainer.
 
-Each peer is a full libp2p host (TCP, Noise, yamux, identify, ping); the first prints the address
-another machine could use to reach it, the second dials that address, identifies the first peer
-and pings it a few times.
+    plexus demo                     # 30 global steps on 127.0.0.1, a few minutes on two CPU cores
+    plexus demo --steps 10 --trainers 2 --client_trainers 0
+    plexus demo --ping-only         # just two peers that ping each other (no ML libraries needed)
+
+The swarm is examples/albert/run_demo.py from a checkout of the repository (install with
+`pip install -e ".[albert]"`, or run `make demo`). It builds a small English corpus and a tokenizer
+once, shows a live view of the peers, the global epoch, the loss and the samples/s, prints the
+`--initial_peers` line another machine could join with, and ends with a summary and the loss curve
+(PNG and CSV). Ctrl+C stops every process it started.
 """
 
 import asyncio
+import importlib.util
+import os
+import sys
 
 from ..p2p.host import Host
 from ..utils.logging import get_logger
 
-HELP = "start two local peers and ping one from the other"
+HELP = "pre-train a tiny ALBERT with a local swarm (monitor, 3 trainers, 1 client-mode trainer)"
 logger = get_logger(__name__)
+EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "examples", "albert")
+PASSED_ON = ("steps", "trainers", "client_trainers", "host", "target_batch_size", "data_dir", "run_dir")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--pings", type=int, default=5, help="how many pings to send (default 5)")
+    parser.add_argument("--steps", type=int, help="stop after this many global steps (default 30)")
+    parser.add_argument("--trainers", type=int, help="trainers that accept connections (default 3)")
+    parser.add_argument("--client_trainers", type=int, help="trainers in client mode (default 1)")
+    parser.add_argument("--host", help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)")
+    parser.add_argument("--target_batch_size", type=int, help="samples per global step (default 256)")
+    parser.add_argument("--data_dir", help="corpus and tokenized data, built if missing (default examples/albert/data)")
+    parser.add_argument("--run_dir", help="logs, metrics and the loss curve (default examples/albert/data/demo_run)")
+    parser.add_argument("--ping-only", action="store_true", help="only start two peers and ping one from the other")
+    parser.add_argument("--pings", type=int, help="how many pings (default 5); implies --ping-only")
 
 
 def run(args) -> int:
-    return asyncio.run(_demo(args.pings))
+    if args.ping_only or args.pings is not None:
+        return asyncio.run(_ping(5 if args.pings is None else args.pings))
+    script = os.path.join(EXAMPLE_DIR, "run_demo.py")
+    if not os.path.exists(script):
+        logger.error(f"the demo needs the repository's examples/albert (looked for {script}); clone the "
+                     f"repository and install it with pip install -e \".[albert]\", or try plexus demo --ping-only")
+        return 1
+    missing = [name for name in ("transformers", "tokenizers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        logger.error(f"the demo needs {', '.join(missing)}: pip install -e \".[albert]\" from the repository root "
+                     f"(make demo does it for you)")
+        return 1
+    argv = []
+    for name in PASSED_ON:
+        value = getattr(args, name)
+        if value is not None:
+            argv += [f"--{name}", os.path.abspath(value) if name.endswith("_dir") else str(value)]
+    sys.path.insert(0, EXAMPLE_DIR)  # the demo imports its sibling modules
+    spec = importlib.util.spec_from_file_location("run_demo", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["run_demo"] = module  # its flags read their help texts from the module's source
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
-async def _demo(pings: int) -> int:
+async def _ping(pings: int) -> int:
     async with Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)) as first, Host(host_maddrs=()) as second:
         address = first.get_visible_maddrs()[0]
         logger.info(f"first peer is up; to connect other peers to it, use --initial_peers {address}")

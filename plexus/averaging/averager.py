@@ -76,7 +76,7 @@ class DecentralizedAverager:
         for tensor in self._tensors:
             if not tensor.is_floating_point():
                 raise ValueError(f"only floating-point tensors can be averaged, got {tensor.dtype}")
-        self._work = [torch.empty_like(tensor) for tensor in self._tensors]
+        self._work = [torch.zeros_like(tensor) for tensor in self._tensors]  # pages touched now, not mid-round
         self._lock = threading.Lock()
         self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
             CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]

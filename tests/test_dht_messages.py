@@ -132,3 +132,31 @@ def test_mutated_messages_parse_or_raise_protocol_error(message, position, byte)
         Message.decode(bytes(data[: position % len(data)]))
     except DHTProtocolError:
         pass
+
+
+def test_known_peers_take_a_fast_path_that_still_checks_every_field():
+    """Find responses name the same peers again and again, so decoding skips re-parsing a peer seen
+    before; malformed entries about such a peer must still be refused."""
+    known = FindResponse(B, (FindResult(None, None, float("-inf"), ((A, PEER),)),), ((PEER, (b"\x04\x7f\x00\x00\x01",)),))
+    assert Message.decode(known.encode()) == known  # now A and PEER are cached
+    peer, addr = PEER.to_bytes(), b"\x04\x7f\x00\x00\x01"
+    bad = {
+        "nearest pair with a list": [[0, None, 0.0, [[ID, [peer]]]]],
+        "nearest pair too long": [[0, None, 0.0, [[ID, peer, peer]]]],
+        "nearest pair not an array": [[0, None, 0.0, [ID + peer]]],
+    }
+    for name, results in bad.items():
+        with pytest.raises(DHTProtocolError):
+            Message.decode(wire(6, None, results, []))
+    bad_addresses = {
+        "address not bytes": [[peer, ["/ip4/127.0.0.1"]]],
+        "address too long": [[peer, [b"\x04" * 2000]]],
+        "too many addresses": [[peer, [addr] * 9]],
+        "addresses not an array": [[peer, addr]],
+        "entry too long": [[peer, [addr], 1]],
+        "peer not bytes": [[[peer], [addr]]],
+    }
+    for name, addresses in bad_addresses.items():
+        with pytest.raises(DHTProtocolError):
+            Message.decode(wire(6, None, [], addresses))
+    assert Message.decode(wire(6, None, [], [[peer, [addr, addr]]])).addresses == ((PEER, (addr, addr)),)

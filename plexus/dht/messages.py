@@ -332,15 +332,20 @@ class FindResult:
         kind, payload, expiration_time, nearest = _fields(fields, where, 4)
         nearest = _list(nearest, where + ".nearest", MAX_NEAREST_PER_KEY)
         neighbours = []
+        cache = _neighbour_cache
         for i, pair in enumerate(nearest):
-            uid, peer = _fields(pair, f"{where}.nearest[{i}]", 2)
-            cache_key = (uid, peer) if type(uid) is bytes and type(peer) is bytes else None
-            neighbour = _neighbour_cache.get(cache_key) if cache_key is not None else None
+            # fast path: a well-formed pair seen before; anything else takes the checks that name the field
+            neighbour = None
+            if type(pair) is list and len(pair) == 2:
+                uid, peer = pair
+                if type(uid) is bytes and type(peer) is bytes:
+                    neighbour = cache.get((uid, peer))
             if neighbour is None:
+                uid, peer = _fields(pair, f"{where}.nearest[{i}]", 2)
                 neighbour = (_node_id(uid, f"{where}.nearest[{i}]"), _peer_id(peer, f"{where}.nearest[{i}]"))
-                if len(_neighbour_cache) >= PEER_ID_CACHE_SIZE:
-                    _neighbour_cache.pop(next(iter(_neighbour_cache)))
-                _neighbour_cache[cache_key] = neighbour
+                if len(cache) >= PEER_ID_CACHE_SIZE:
+                    cache.pop(next(iter(cache)))
+                cache[(uid, peer)] = neighbour
             neighbours.append(neighbour)
         value = entries = None
         if kind == 0:
@@ -367,6 +372,15 @@ class FindResult:
         return cls(value, entries, _time(expiration_time, where + ".expiration_time"), tuple(neighbours))
 
 
+def _addressed_peer(entry: Any, i: int) -> tuple[PeerID, tuple[bytes, ...]]:
+    """One (peer, binary multiaddrs) entry of FindResponse.addresses, validated field by field."""
+    where = f"FindResponse.addresses[{i}]"
+    peer, addrs = _fields(entry, where, 2)
+    addrs = _list(addrs, where + ".addrs", MAX_ADDRESSES_PER_PEER)
+    return (_peer_id(peer, where + ".peer"),
+            tuple(_bytes(addr, f"{where}.addrs[{j}]", MAX_ADDRESS_LENGTH) for j, addr in enumerate(addrs)))
+
+
 @dataclasses.dataclass(frozen=True)
 class FindResponse(Message):
     """One result per requested key, in request order, and how to dial the peers they name.
@@ -391,12 +405,20 @@ class FindResponse(Message):
         node_id, results, addresses = _fields(fields, "FindResponse", 3)
         results = _list(results, "FindResponse.results", MAX_KEYS_PER_REQUEST)
         addressed = []
+        cache = _peer_id_cache
         for i, entry in enumerate(_list(addresses, "FindResponse.addresses", MAX_ADDRESSED_PEERS)):
-            where = f"FindResponse.addresses[{i}]"
-            peer, addrs = _fields(entry, where, 2)
-            addrs = _list(addrs, where + ".addrs", MAX_ADDRESSES_PER_PEER)
-            addressed.append((_peer_id(peer, where + ".peer"),
-                              tuple(_bytes(addr, f"{where}.addrs[{j}]", MAX_ADDRESS_LENGTH) for j, addr in enumerate(addrs))))
+            if type(entry) is list and len(entry) == 2:  # fast path for a known peer, else full checks
+                peer, addrs = entry
+                if type(peer) is bytes and type(addrs) is list and len(addrs) <= MAX_ADDRESSES_PER_PEER:
+                    peer_id = cache.get(peer)
+                    if peer_id is not None:
+                        for addr in addrs:
+                            if type(addr) is not bytes or len(addr) > MAX_ADDRESS_LENGTH:
+                                break
+                        else:
+                            addressed.append((peer_id, tuple(addrs)))
+                            continue
+            addressed.append(_addressed_peer(entry, i))
         return cls(
             _node_id(node_id, "FindResponse.node_id", True),
             tuple(FindResult._from_wire(result, f"FindResponse.results[{i}]") for i, result in enumerate(results)),

@@ -15,12 +15,16 @@ from .transport import RequestHandler
 DHT_PROTOCOL = "/plexus/dht/1.0.0"
 MAX_DHT_MESSAGE_SIZE = 8 << 20
 MAX_SHARED_ADDRESSES = 8
+MAX_CACHED_PEERS = 4096
 
 
 class HostDHTTransport:
     def __init__(self, host: Host):
         self.host = host
         self.local_peer_id: PeerID = host.peer_id
+        # Every find response names ~20 peers with their addresses, both ways: keep each peer's
+        # addresses in binary, valid while the host's list is unchanged (see `_binary_addresses`).
+        self._binary: dict[PeerID, tuple] = {}
 
     async def call(self, peer: PeerID, request_bytes: bytes, timeout: float) -> bytes:
         try:
@@ -37,16 +41,31 @@ class HostDHTTransport:
 
         rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE)
 
-    def known_addresses(self, peer: PeerID) -> list[bytes]:
+    def _binary_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
+        """The host's addresses of `peer`, in binary. The host only ever changes a peer's list by
+        putting a (new) address object first, or replaces the PeerInfo, so (info, first address,
+        length) identifies the list's contents without comparing them."""
         info = self.host.peer_info(peer)
-        return [addr.to_bytes() for addr in info.addrs[:MAX_SHARED_ADDRESSES]] if info else []
+        if info is None or not info.addrs:
+            return ()
+        cached = self._binary.get(peer)
+        if cached is not None and cached[0] is info and cached[1] is info.addrs[0] and cached[2] == len(info.addrs):
+            return cached[3]
+        binary = tuple(addr.to_bytes() for addr in info.addrs)
+        if cached is None and len(self._binary) >= MAX_CACHED_PEERS:
+            self._binary.pop(next(iter(self._binary)))  # the oldest entry
+        self._binary[peer] = (info, info.addrs[0], len(info.addrs), binary)
+        return binary
+
+    def known_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
+        return self._binary_addresses(peer)[:MAX_SHARED_ADDRESSES]
 
     def add_addresses(self, addresses) -> None:
         for peer, raw_addrs in addresses:
             if peer == self.local_peer_id:
                 continue
-            info = self.host.peer_info(peer)
-            if info is not None and set(raw_addrs) <= {addr.to_bytes() for addr in info.addrs}:
+            known = self._binary_addresses(peer)
+            if all(raw in known for raw in raw_addrs):
                 continue  # nothing new: every find response names ~20 peers we mostly know already
             addrs = []
             for raw in raw_addrs:

@@ -153,11 +153,15 @@ async def call(host: Host, peer: PeerID, protocol: str, request, response_type=b
                 await stream.close()
             except StreamError:
                 pass  # the handler may have refused the request already: its reply says why
-            responses = _read_messages(stream, response_type, max_message_size, peer)
-            response = await anext(responses, None)
-            if response is None:
+            # one frame read directly: an abandoned async generator here would cost a finalizer
+            # task and a wake-up of the loop through its self-pipe on every call
+            frame = await read_frame(stream, max_message_size)
+            if frame is None:
                 raise RPCProtocolError(f"{peer} closed {protocol} without a response")
-            return response
+            kind, payload = frame
+            if kind == ERROR:
+                raise RPCError(payload.decode(errors="replace"), peer, stream.protocol)
+            return _decode(response_type, payload)
         except BaseException:
             stream.reset()
             raise

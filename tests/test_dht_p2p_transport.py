@@ -1,0 +1,45 @@
+"""HostDHTTransport's address bookkeeping: what it shares and learns stays in step with the host."""
+
+import asyncio
+
+import pytest
+
+from plexus.dht.p2p_transport import MAX_SHARED_ADDRESSES, HostDHTTransport
+from plexus.p2p.host import Host
+from plexus.p2p.identity import PrivateKey
+from plexus.p2p.multiaddr import Multiaddr
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_shared_and_learnt_addresses_follow_the_host():
+    async def main():
+        host = await Host(host_maddrs=()).start()
+        transport = HostDHTTransport(host)
+        other = PrivateKey.from_seed(b"\x07" * 32).peer_id
+        first, second = Multiaddr("/ip4/10.0.0.1/tcp/1"), Multiaddr("/ip4/10.0.0.2/tcp/2")
+        assert transport.known_addresses(other) == ()
+        host.add_addrs(other, [first])
+        assert list(transport.known_addresses(other)) == [first.to_bytes()]
+        assert list(transport.known_addresses(other)) == [first.to_bytes()]  # the cached answer
+        host.add_addrs(other, [second])  # the host puts it first: the cache must notice
+        assert list(transport.known_addresses(other)) == [second.to_bytes(), first.to_bytes()]
+        host.add_addrs(other, [first])  # moved back to the front, same length
+        assert list(transport.known_addresses(other)) == [first.to_bytes(), second.to_bytes()]
+
+        # learning: known addresses change nothing, a new one is added, a bad one is skipped
+        third = Multiaddr("/ip4/10.0.0.3/tcp/3")
+        transport.add_addresses([(other, (first.to_bytes(),))])
+        assert host.peer_info(other).addrs == [first, second]
+        transport.add_addresses([(other, (b"\xff\xff garbage", third.to_bytes()))])
+        assert host.peer_info(other).addrs[0] == third
+        assert transport.known_addresses(other)[0] == third.to_bytes()
+        transport.add_addresses([(host.peer_id, (third.to_bytes(),))])  # never our own
+        assert host.peer_info(host.peer_id) is None
+
+        many = [Multiaddr(f"/ip4/10.0.1.{i}/tcp/{i}") for i in range(1, 12)]
+        host.add_addrs(other, many)
+        assert len(transport.known_addresses(other)) <= MAX_SHARED_ADDRESSES
+        await host.shutdown()
+
+    asyncio.run(main())

@@ -8,6 +8,7 @@ import pytest
 from plexus.p2p import rpc
 from plexus.p2p.host import Host
 from plexus.p2p.messages import Message
+from plexus.p2p.protocols.varint import encode_uvarint
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -167,6 +168,46 @@ def test_unary_call_costs_one_socket_write_each_way():
             request = f"request {i}".encode() * 10
             assert await rpc.call(a, b.peer_id, "/test/echo/1.0.0", request, timeout=5) == request
         assert len(writes) <= 2 * calls, f"{len(writes) / calls:.1f} socket writes per unary call"
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())
+
+
+def test_frames_cut_anywhere_and_packed_together_read_the_same():
+    """read_frame parses a header in place when it is buffered and falls back to reading byte by
+    byte when not: frames split mid-header, packed several to a write, empty, larger than a
+    small frame, and an error frame all come out as sent, and a bad kind is still refused."""
+
+    async def main():
+        a, b = await pair()
+        payloads = [b"first", b"", b"x" * 300, b"y" * (70 << 10), b"z"]
+        wire = b"".join(bytes([rpc.MESSAGE]) + encode_uvarint(len(p)) + p for p in payloads)
+        wire += bytes([rpc.ERROR]) + encode_uvarint(4) + b"oops"
+
+        async def raw(stream):
+            await rpc.read_frame(stream, 1024)
+            cuts = [0, 1, 3, 9, 310, len(wire) - 3, len(wire)]  # inside headers, across frames
+            for start, end in zip(cuts, cuts[1:]):
+                await stream.write(wire[start:end])
+                await asyncio.sleep(0)  # give each piece its own flush where possible
+            await stream.close()
+
+        b.set_stream_handler("/test/raw/1.0.0", raw)
+        got = []
+        with pytest.raises(rpc.RPCError, match="oops"):
+            async for message in rpc.call_stream(a, b.peer_id, "/test/raw/1.0.0", b"go", timeout=5):
+                got.append(message)
+        assert got == payloads
+
+        async def bad_kind(stream):
+            await rpc.read_frame(stream, 1024)
+            await stream.write(b"\x07\x01a")
+            await stream.close()
+
+        b.set_stream_handler("/test/bad/1.0.0", bad_kind)
+        with pytest.raises(rpc.RPCProtocolError, match="unknown RPC frame kind 7"):
+            await rpc.call(a, b.peer_id, "/test/bad/1.0.0", b"go", timeout=5)
         await a.shutdown()
         await b.shutdown()
 

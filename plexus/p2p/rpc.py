@@ -19,7 +19,7 @@ from typing import Any
 from ..utils.logging import get_logger
 from .host import Host
 from .identity import PeerID
-from .protocols.varint import encode_uvarint
+from .protocols.varint import NeedMoreData, VarintError, decode_uvarint, encode_uvarint
 from .stream import Stream, StreamError, read_varint
 
 logger = get_logger(__name__)
@@ -74,8 +74,21 @@ async def write_frame(stream: Stream, message, kind: int = MESSAGE) -> None:
         await stream.write(payload)
 
 
+MAX_FRAME_HEADER = 11  # the kind byte and a uvarint length of up to 10 bytes
+
+
 async def read_frame(stream: Stream, max_size: int) -> tuple[int, bytes] | None:
     """Read one frame; None at a clean end of stream."""
+    head = stream._peek(MAX_FRAME_HEADER)
+    if len(head) >= 2 and head[0] in (MESSAGE, ERROR):  # fast path: a well-formed header is buffered
+        try:
+            length, end = decode_uvarint(head, 1)
+        except (NeedMoreData, VarintError):  # cut short here, or malformed: the byte-wise path says which
+            length = None
+        if length is not None and length <= (max_size if head[0] == MESSAGE else MAX_ERROR_SIZE) \
+                and length <= SMALL_FRAME:  # one read of header and body, one copy of the body
+            frame = await stream.readexactly(end + length)
+            return head[0], frame[end:]
     kind = await stream.read(1)
     if not kind:
         return None

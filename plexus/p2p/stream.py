@@ -10,6 +10,7 @@ connection was closed locally; StreamResetError means the peer (or a broken conn
 """
 
 import asyncio
+import itertools
 from collections import deque
 
 from .identity import PeerID
@@ -100,6 +101,23 @@ class Stream:
                 raise StreamError(f"peer sent more than {limit} bytes on {self.protocol}")
             pieces.append(piece)
         return b"".join(pieces)
+
+    def _peek(self, n: int) -> bytes:
+        """Up to `n` bytes already received, without consuming them (b"" if none are), so a
+        framing layer can parse a header in place and then read header and body in one call."""
+        if self._negotiation is not None and self._buffered:
+            self._finish_negotiation()
+        if self._negotiation is not None or not self._buffered:
+            return b""
+        chunk, offset = self._chunks[0], self._offset
+        if len(chunk) - offset >= n or len(self._chunks) == 1:
+            return chunk[offset : offset + n]
+        head = bytearray(chunk[offset:])
+        for chunk in itertools.islice(self._chunks, 1, None):
+            head += chunk[: n - len(head)]
+            if len(head) >= n:
+                break
+        return bytes(head)
 
     def _take_all(self) -> bytes:
         chunks, offset = self._chunks, self._offset

@@ -27,7 +27,14 @@ import data  # noqa: E402
 import model as albert_model  # noqa: E402
 import tokenize_corpus  # noqa: E402
 
-SCRIPTS = ["make_demo_corpus.py", "tokenize_corpus.py", "train_local.py", "run_trainer.py"]
+SCRIPTS = [
+    "make_demo_corpus.py",
+    "tokenize_corpus.py",
+    "train_local.py",
+    "run_trainer.py",
+    "run_training_monitor.py",
+    "run_demo.py",
+]
 
 
 def run_script(name: str, *args: str, cwd: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -313,8 +320,17 @@ def test_run_trainer_local_mode_trains_and_logs_mlm_separately(tokenized, tmp_pa
     assert [entry["step"] for entry in logs if "mlm_loss" in entry] == [1, 2]
     assert all(entry["mlm_loss"] > 0 and entry["sop_loss"] > 0 for entry in logs if "mlm_loss" in entry)
 
-    result = run_script("run_trainer.py", "--dataset_path", tokenized, cwd=str(tmp_path), timeout=80)
-    assert result.returncode != 0 and "--local" in result.stderr  # the swarm optimizer is not there yet
+
+
+@pytest.mark.timeout(90)
+def test_run_trainer_says_when_no_initial_peer_answers(tokenized, tmp_path):
+    pytest.importorskip("accelerate")
+    unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEvvWortnaSePcHVKBND3Gvx6tJMFkhU2uXNwZLds7jjk"
+    result = run_script(
+        "run_trainer.py", "--dataset_path", tokenized, "--initial_peers", unreachable,
+        "--output_dir", str(tmp_path / "outputs"), cwd=str(tmp_path), timeout=80,
+    )
+    assert result.returncode != 0 and "could not reach any initial peer" in result.stderr
 
 
 @pytest.mark.timeout(60)

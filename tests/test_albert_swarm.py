@@ -382,3 +382,27 @@ def test_ctrl_c_stops_the_demo_and_every_process_it_started(tokenized, tmp_path)
     assert demo.returncode == 130, output
     assert "Interrupted: stopping the swarm" in output and "none is left" in output
     assert processes_mentioning(run_dir) == []
+
+
+@pytest.mark.timeout(30)
+def test_trainer_takes_every_flag_the_tutorial_uses():
+    import run_trainer
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser((run_trainer.AlbertTrainingArguments, run_trainer.CollaborationArguments,
+                               run_trainer.DatasetArguments))
+    args, collab, data = parser.parse_args_into_dataclasses(args=[
+        "--initial_peers", "/ip4/1.2.3.4/tcp/1337/p2p/XXXX", "/ip4/1.2.3.4/tcp/1338/p2p/YYYY",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--client_mode",
+        "--matchmaking_time", "10", "--batch_size_lead", "300", "--dataset_path", "./data", "--tokenizer", "./tok",
+        "--host_maddrs", "/ip4/0.0.0.0/tcp/31337", "--identity_path", "./id.key", "--logging_dir", "./logs",
+        "--logging_first_step", "--output_dir", "./outputs", "--overwrite_output_dir", "--config", "large"])
+    assert collab.initial_peers == ["/ip4/1.2.3.4/tcp/1337/p2p/XXXX", "/ip4/1.2.3.4/tcp/1338/p2p/YYYY"]
+    assert (collab.client_mode, collab.matchmaking_time, collab.batch_size_lead) == (True, 10.0, 300)
+    assert (collab.host_maddrs, collab.identity_path) == (["/ip4/0.0.0.0/tcp/31337"], "./id.key")
+    assert (data.dataset_path, data.tokenizer_path, data.config) == ("./data", "./tok", "large")
+    assert args.overwrite_output_dir and args.logging_first_step and args.logging_dir == "./logs"
+    assert run_trainer.batch_size_per_step(args) == 8
+    assert run_trainer.load_config("large", 30000, 512).hidden_size == 1024
+    with pytest.raises(SystemExit, match="neither tiny, large"):
+        run_trainer.load_config("medium", 30000, 512)

@@ -406,3 +406,24 @@ def test_trainer_takes_every_flag_the_tutorial_uses():
     assert run_trainer.load_config("large", 30000, 512).hidden_size == 1024
     with pytest.raises(SystemExit, match="neither tiny, large"):
         run_trainer.load_config("medium", 30000, 512)
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_resumes_from_its_own_checkpoint_at_its_epoch(tokenized, tmp_path):
+    flags = ["--dataset_path", tokenized, "--target_batch_size", "16", "--per_device_train_batch_size", "8",
+             "--host_maddrs", "/ip4/127.0.0.1/tcp/0", "--output_dir", str(tmp_path / "out"), "--save_steps", "3",
+             "--logging_dir", str(tmp_path / "logs"), "--disable_tqdm", "true", "--report_to", "none"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+    def train(max_steps: int) -> str:
+        result = subprocess.run([sys.executable, "run_trainer.py", *flags, "--max_steps", str(max_steps)],
+                                cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=100)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    first = train(6)  # alone: a global epoch every two local steps of 8 samples
+    assert "Starting at global epoch 0" in first and sorted(os.listdir(tmp_path / "out")) == [
+        "checkpoint-3", "checkpoint-6"]
+    second = train(10)
+    assert f"resuming from {tmp_path / 'out' / 'checkpoint-6'}" in second
+    assert "Starting at global epoch 3" in second and "Step #4" in second

@@ -91,7 +91,8 @@ class DHT:
         self.host_maddrs = tuple(host_maddrs) if client_mode is not True else ()
         self.announce_maddrs = tuple(announce_maddrs)
         self.use_relay, self.use_auto_relay, self.auto_nat = use_relay, use_auto_relay, auto_nat
-        self.relays = [Multiaddr(addr) for addr in relays or node_options.pop("trusted_relays", None) or ()]
+        trusted_relays = node_options.pop("trusted_relays", None)  # hivemind's name for them
+        self.relays = [Multiaddr(addr) for addr in relays or trusted_relays or ()]
         self.force_reachability, self.hole_punching = force_reachability, hole_punching and use_relay
         self.relay_limits = relay_service if isinstance(relay_service, RelayLimits) else \
             RelayLimits() if relay_service else None
@@ -159,7 +160,8 @@ class DHT:
             self._advise(private, client_mode)
             if self.relay_limits is not None and listening and not client_mode and not private:
                 self.relay_service = RelayService(self.host, self.relay_limits).start()
-                if self._reachability is Reachability.PUBLIC:
+                if self._reachability is Reachability.PUBLIC:  # listed once we are ready, then kept listed
+                    await self._announce_relay_once()
                     self._announcer = asyncio.get_running_loop().create_task(self._announce_relay())
         except BaseException:
             await self._shutdown()
@@ -278,13 +280,15 @@ class DHT:
     async def _announce_relay(self) -> None:
         """Keep this (verified public) peer listed under RELAY_KEY while its relay service runs."""
         while True:
-            addrs = [str(addr) for addr in self.host.get_visible_maddrs() if not addr.is_circuit]
-            try:
-                await self.node.store(RELAY_KEY, addrs, get_dht_time() + 2 * RELAY_ANNOUNCE_PERIOD,
-                                      subkey=str(self.peer_id))
-            except Exception as error:  # the next round tries again
-                logger.debug(f"could not announce our relay service: {error!r}")
             await asyncio.sleep(RELAY_ANNOUNCE_PERIOD)  # a periodic refresh, not synchronisation
+            await self._announce_relay_once()
+
+    async def _announce_relay_once(self) -> None:
+        addrs = [str(addr) for addr in self.host.get_visible_maddrs() if not addr.is_circuit]
+        try:
+            await self.node.store(RELAY_KEY, addrs, get_dht_time() + 2 * RELAY_ANNOUNCE_PERIOD, subkey=str(self.peer_id))
+        except Exception as error:  # the next round tries again
+            logger.debug(f"could not announce our relay service: {error!r}")
 
     @property
     def reachability(self) -> str:
@@ -300,7 +304,7 @@ class DHT:
 
     @property
     def client_mode(self) -> bool:
-        if self._client_mode is None and self._ready is not None:
+        if self._client_mode is None and self._ready is not None and not self._background.in_loop_thread():
             self.wait_until_ready()  # "auto" is decided while starting
         return bool(self._client_mode)
 

@@ -207,12 +207,13 @@ class DecentralizedAverager:
 
     def step(self, gather: Any = None, scheduled_time: float | None = None, weight: float | None = None,
              timeout: float | None = None, allow_retries: bool = True, require_trigger: bool = False,
-             wait: bool = True, weight_for_group=None):
+             wait: bool = True, weight_for_group=None, expected_group_size: int | None = None):
         """Average once with a group; returns {peer_id: gathered data} of its members.
 
         With `wait=False` returns a StepControl at once (result, cancel, trigger). Raises
         AveragingError if no round succeeded before `timeout` (default 60 s). `weight_for_group`:
-        see `StepControl.weight_for_group`.
+        see `StepControl.weight_for_group`. `expected_group_size`: peers the caller knows will look
+        for this round; the group waits for them until the scheduled time instead of forming early.
         """
         if self._ready is None:
             raise RuntimeError("the averager is not running: create it with start=True")
@@ -226,10 +227,12 @@ class DecentralizedAverager:
                               require_trigger=require_trigger)
         control.weight_for_group = weight_for_group
         user_gather = MSGPackSerializer.dumps(gather)
-        control._attach(self._background.submit(self._step(control, user_gather, timeout, allow_retries)))
+        control._attach(self._background.submit(
+            self._step(control, user_gather, timeout, allow_retries, expected_group_size)))
         return control.result() if wait else control
 
-    async def _step(self, control: StepControl, user_gather: bytes, timeout: float | None, allow_retries: bool):
+    async def _step(self, control: StepControl, user_gather: bytes, timeout: float | None, allow_retries: bool,
+                    expected_group_size: int | None = None):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else DEFAULT_STEP_TIMEOUT)
         gather = MSGPackSerializer.dumps([self.bandwidth, self.mode.value, user_gather])
@@ -238,7 +241,8 @@ class DecentralizedAverager:
             while True:
                 control.stage = AveragingStage.LOOKING_FOR_GROUP
                 group = await self._matchmaking.look_for_group(gather=gather, deadline=deadline,
-                                                               scheduled_time=control.scheduled_time)
+                                                               scheduled_time=control.scheduled_time,
+                                                               expected_group_size=expected_group_size)
                 if group is None:
                     failures.append("could not find a group")
                 else:
@@ -247,7 +251,7 @@ class DecentralizedAverager:
                         await control.wait_for_trigger()
                     control.stage = AveragingStage.RUNNING_ALLREDUCE
                     try:
-                        return await self._run_allreduce(group, control.weight, control.weight_for_group)
+                        return await self._run_allreduce(group, self._weight_for_group(group, control))
                     except (ConnectionError, TimeoutError, ValueError) as error:
                         failures.append(f"all-reduce in group {group.group_id.hex()[:8]} failed: {error!r}")
                 if not allow_retries or loop.time() + self.request_timeout >= deadline:
@@ -259,16 +263,25 @@ class DecentralizedAverager:
         finally:
             control.stage = AveragingStage.FINISHED
 
-    async def _run_allreduce(self, group, weight: float, weight_for_group=None) -> dict[PeerID, Any]:
+    def _weight_for_group(self, group, control: StepControl) -> float:
+        """The control's weight, or what its `weight_for_group` makes of it for this group."""
+        if control.weight_for_group is None or self.mode == AveragingMode.AUX:
+            return control.weight
+        contributing = {}
+        for peer, data in zip(group.peer_ids, group.gathered):
+            member = MSGPackSerializer.loads(data)
+            if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
+                raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
+            if AveragingMode(member[1]) != AveragingMode.AUX:
+                contributing[peer] = MSGPackSerializer.loads(member[2])
+        return float(control.weight_for_group(contributing, control.weight))
+
+    async def _run_allreduce(self, group, weight: float) -> dict[PeerID, Any]:
         members = [MSGPackSerializer.loads(data) for data in group.gathered]
         for member in members:
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
                 raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
         modes = [AveragingMode(member[1]) for member in members]
-        if weight_for_group is not None and self.mode != AveragingMode.AUX:
-            contributing = {peer: MSGPackSerializer.loads(member[2]) for peer, member, mode
-                            in zip(group.peer_ids, members, modes) if mode != AveragingMode.AUX}
-            weight = float(weight_for_group(contributing, weight))
         bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)]
         total = sum(tensor.numel() for tensor in self._tensors)
         fractions = load_balance_peers(total, bandwidths, self.min_vector_size)

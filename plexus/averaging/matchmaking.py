@@ -158,12 +158,13 @@ class Matchmaking:
 
     # --- one round ----------------------------------------------------------------------------
 
-    async def look_for_group(self, *, gather: bytes, deadline: float,
-                             scheduled_time: float | None = None) -> GroupInfo | None:
+    async def look_for_group(self, *, gather: bytes, deadline: float, scheduled_time: float | None = None,
+                             expected_group_size: int | None = None) -> GroupInfo | None:
         """Find a group before `deadline` (event-loop time); None if there is none by then.
 
         `scheduled_time` (DHT time) is the earliest moment we want to assemble; by default
-        now + min_matchmaking_time. On success the group bits move on (see `next_group_bits`).
+        now + min_matchmaking_time. With `expected_group_size`, a group does not form before that
+        time with fewer members. On success the group bits move on (see `next_group_bits`).
         """
         if self._running:
             raise RuntimeError("look_for_group is already running for this averager")
@@ -171,7 +172,7 @@ class Matchmaking:
             raise ValueError(f"gather of {len(gather)} bytes exceeds the {MAX_GATHER_BYTES}-byte limit")
         loop = asyncio.get_running_loop()
         self._running, group, key = True, None, self.group_key
-        self._state.start(key, bytes(gather))
+        self._state.start(key, bytes(gather), expected_group_size)
         self._wakeup, self._poll_now = asyncio.Event(), asyncio.Event()
         self._view, self._refused, self._declared_until = {}, {}, None
         poller = None

@@ -79,6 +79,7 @@ class MatchmakingState:
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.phase = Phase.IDLE
         self.group_key: str | None = None
+        self.expected_group_size: int | None = None
         self.gather = b""
         self.declared: float | None = None
         self.leader: PeerID | None = None
@@ -86,10 +87,15 @@ class MatchmakingState:
 
     # --- our own round ------------------------------------------------------------------------
 
-    def start(self, group_key: str, gather: bytes) -> None:
-        """Begin a round of matchmaking under `group_key`."""
+    def start(self, group_key: str, gather: bytes, expected_group_size: int | None = None) -> None:
+        """Begin a round of matchmaking under `group_key`.
+
+        `expected_group_size`: how many peers the caller knows will look for this round (e.g. the
+        Optimizer's trainers); the group does not form early, before our declared time, with fewer.
+        """
         self._require(Phase.IDLE, Phase.ASSEMBLED)
         self.phase, self.group_key, self.gather = Phase.LOOKING, group_key, gather
+        self.expected_group_size = expected_group_size
         self.declared, self.leader, self._followers = None, None, {}
 
     def declare(self, expiration: float | None, now: float) -> list[Notice]:
@@ -136,8 +142,8 @@ class MatchmakingState:
             return True
         if self.target_group_size is not None or view is None or self.peer_id not in view:
             return False  # with a target size, "full" means that size: wait for it until our time
-        if self.group_size < max(2, self.min_group_size):
-            return False
+        if self.group_size < max(2, self.min_group_size, self.expected_group_size or 0):
+            return False  # peers we expect have not declared yet: wait for them, until our time
         others = {peer for peer, declared in view.items() if peer != self.peer_id and declared > now}
         return others <= self._followers.keys()
 

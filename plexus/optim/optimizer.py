@@ -307,9 +307,16 @@ class Optimizer(torch.optim.Optimizer):
         gradients of peers at different epochs are never mixed."""
         epoch = self.local_epoch
         control = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout,
-                                                   gather=None if self.auxiliary else epoch)
+                                                   gather=None if self.auxiliary else epoch,
+                                                   expected_group_size=self._expected_group_size())
         control.weight_for_group = functools.partial(_withdraw_if_behind, epoch)
         return control
+
+    def _expected_group_size(self) -> int:
+        """Every peer the tracker sees trains this epoch: a round waits for them all until its
+        scheduled time, instead of forming early with the first ones (the others would then find
+        themselves an epoch behind)."""
+        return max(2, self.tracker.global_progress.num_peers)
 
     def _release_scheduled_grads(self) -> None:
         """Leave a pre-scheduled gradient round without holding anyone up: a group that is formed
@@ -355,8 +362,9 @@ class Optimizer(torch.optim.Optimizer):
             optimizer_step=not self.auxiliary and not self.use_local_updates,
             zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
             delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
-            delay_averaging=(self.delay_state_averaging or self.delay_optimizer_step) and not self.auxiliary,
+            delay_averaging=self.delay_state_averaging or self.delay_optimizer_step,  # auxiliary too: it only helps
             averaging_opts=dict(timeout=self.averaging_timeout, gather=next_epoch,
+                                expected_group_size=self._expected_group_size(),
                                 weight_for_group=functools.partial(_keep_unless_same_epoch, next_epoch))
             if average_state else None,
             grad_scaler=grad_scaler)
@@ -405,7 +413,10 @@ class Optimizer(torch.optim.Optimizer):
         def wait_for_gradients() -> bool:
             """Wait for the round; True when it showed that this peer is behind the swarm."""
             try:
-                gathered = control.result(self.averaging_timeout)
+                gathered = self._wait_for_round(control, epoch)
+                if gathered is None:  # the swarm averaged this epoch without us and moved on
+                    self._must_load_state = True
+                    return True
             except (AveragingError, TimeoutError, ConnectionError, concurrent.futures.CancelledError) as error:
                 reason = str(error) or f"no result within {self.averaging_timeout} s"
                 logger.log(self.status_loglevel, f"Proceeding with local gradients: {reason}")
@@ -426,6 +437,30 @@ class Optimizer(torch.optim.Optimizer):
             self.grad_averager.notify_used_averaged_gradients()
             return _BEHIND
         return None if self.offload_optimizer else self._averaged_gradients_into_params()
+
+    def _wait_for_round(self, control: StepControl, epoch: int) -> dict | None:
+        """The round's result; None if, while we were still looking for a group, the tracker showed
+        that the swarm already moved past `epoch` (a group formed without us: waiting out the
+        timeout and stepping alone would only put us further apart). Raises the round's error,
+        or AveragingError at once when the tracker shows that nobody else is left."""
+        deadline = time.monotonic() + self.averaging_timeout
+        while True:
+            try:
+                return control.result(min(POLL_INTERVAL, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise
+            if control.began_allreduce:
+                continue
+            progress = self.tracker.global_progress
+            if progress.epoch > epoch:
+                control.cancel()
+                _wait_until_unwound(control)
+                return None
+            if progress.num_peers < (1 if self.auxiliary else 2):
+                control.cancel()
+                _wait_until_unwound(control)
+                raise AveragingError("no other peer is left in the swarm")
 
     def _averaged_gradients_into_params(self):
         """Without offloading, the optimizer reads `.grad`: a hook that puts the averaged gradients
@@ -509,6 +544,7 @@ class Optimizer(torch.optim.Optimizer):
 
 _BEHIND = object()  # _average_gradients: the group showed that this peer is behind the swarm
 UNWIND_TIMEOUT = 10.0
+POLL_INTERVAL = 0.1  # how often a peer waiting for its gradient round looks whether the swarm moved on
 
 
 def _idle(control) -> bool:

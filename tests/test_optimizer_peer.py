@@ -26,9 +26,9 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor]:
     return inputs, targets
 
 
-def make_model() -> torch.nn.Module:
+def make_model(hidden: int = HIDDEN) -> torch.nn.Module:
     torch.manual_seed(0)  # every peer and the replay start from the same parameters
-    return torch.nn.Sequential(torch.nn.Linear(NUM_FEATURES, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, 1))
+    return torch.nn.Sequential(torch.nn.Linear(NUM_FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
 
 
 def full_loss(model: torch.nn.Module, inputs, targets) -> float:
@@ -36,13 +36,15 @@ def full_loss(model: torch.nn.Module, inputs, targets) -> float:
         return float(((model(inputs) - targets) ** 2).mean())
 
 
-def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier=None, events=None):
+def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier=None, events=None,
+             stop=None):
     """Train until `config["epochs"]` (or `config["deadline"]` seconds); report through `results`.
 
     Parameters come back as numpy arrays: torch tensors would cross a process boundary as shared
     memory handles that die with the peer.
 
-    `initial_peers`: multiaddrs, or a queue that will deliver them (processes start importing
+    `stop` (an Event) ends training early. `config["step_delay"]` stands for compute time per
+    batch (it paces the loop; nothing waits on it). `initial_peers`: multiaddrs, or a queue that will deliver them (processes start importing
     torch before the first peer is up). `results` is a dict (threads) or a queue (processes); `events` (a queue) receives
     ("maddrs", index, [...]) once the DHT is up and ("epoch", index, epoch) at each epoch change.
     """
@@ -60,7 +62,7 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     if events is not None:
         events.put(("maddrs", index, [str(a) for a in dht.get_visible_maddrs()], os.getpid()))
     inputs, targets = dataset()
-    model = make_model()
+    model = make_model(config.get("hidden", HIDDEN))
     batch = config.get("batch_size", 8)
     options = dict(config.get("options", {}))
     scheduler = None
@@ -88,7 +90,8 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
         from plexus.optim.grad_scaler import GradScaler
         grad_scaler = GradScaler(init_scale=config["grad_scaler"])
     try:
-        while opt.local_epoch < config["epochs"] and time.monotonic() < deadline:
+        while opt.local_epoch < config["epochs"] and time.monotonic() < deadline \
+                and not (stop is not None and stop.is_set()):
             epoch, loads = opt.local_epoch, opt.state_loads
             if config.get("auxiliary"):
                 opt.step()
@@ -105,6 +108,8 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
                 if not options.get("reuse_grad_buffers"):
                     opt.zero_grad()
                 pending.extend(rows.tolist())
+                if config.get("step_delay"):
+                    time.sleep(config["step_delay"])
             if opt.state_loads != loads:
                 pending = []  # a download replaces the state: these batches never reached the swarm
             elif opt.local_epoch != epoch:
@@ -149,3 +154,22 @@ def replay(contributions_by_peer: list[dict[int, list[int]]], epochs: int, lr: f
         opt.step()
         losses[epoch + 1] = full_loss(model, inputs, targets)
     return [p.detach().clone() for p in model.parameters()], losses
+
+
+def start_threads(configs: list[dict], results: dict, events, barrier: bool = True, stop=None):
+    """Run peers in threads of this process (cheaper than processes); peer 0 bootstraps the rest.
+
+    Returns (threads, peer 0's multiaddrs)."""
+    import queue
+    import threading
+
+    addresses = queue.Queue()
+    sync = threading.Barrier(len(configs)) if barrier else None
+    threads = [threading.Thread(target=run_peer, args=(i, config, addresses if i else None, results, sync, events),
+                                kwargs=dict(stop=stop), daemon=True) for i, config in enumerate(configs)]
+    for thread in threads:
+        thread.start()
+    kind, _, maddrs, _ = events.get(timeout=60)
+    for _ in configs[1:]:
+        addresses.put(maddrs)
+    return threads, maddrs

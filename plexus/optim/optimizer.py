@@ -368,6 +368,7 @@ class Optimizer(torch.optim.Optimizer):
                                 weight_for_group=functools.partial(_keep_unless_same_epoch, next_epoch))
             if average_state else None,
             grad_scaler=grad_scaler)
+        self._log_finished_state_rounds()  # a new round waited for the previous one
         if average_state:
             self._state_round = self.state_averager._last_averaging_stage
         if self.offload_optimizer and self.use_gradient_averaging:
@@ -533,6 +534,7 @@ class Optimizer(torch.optim.Optimizer):
         self.tracker.shutdown(self.shutdown_timeout)
         if not self.state_averager.finish_background_work(self.shutdown_timeout):
             logger.warning(f"background averaging did not finish within {self.shutdown_timeout} s; left it")
+        self._log_finished_state_rounds()
         self.state_averager.shutdown()
         if self.grad_averager is not None:
             self.grad_averager.shutdown()

@@ -303,8 +303,8 @@ def test_monitor_and_trainers_train_together_and_a_late_trainer_catches_up(token
                                   timeout=120, what="the late trainer to join")
         # it downloaded the state of a recent epoch (a donor may be one epoch behind the newest)
         assert int(joined.group(1)) >= 3, swarm.read_log("late")
-        swarm.wait_until(lambda: any(row["alive_peers"] == "3" for row in read_rows(metrics_path)), timeout=60,
-                         what="a step with all three trainers")
+        swarm.wait_until(lambda: any(row["alive_peers"] == "3" for row in read_rows(metrics_path))
+                         and len(steps_done()) >= 12, timeout=90, what="12 steps, one of them with all three trainers")
         codes = swarm.stop()
     assert codes == {"monitor": 0, "first": 0, "second": 0, "late": 0}, codes
     with pytest.raises(ProcessLookupError):
@@ -313,7 +313,7 @@ def test_monitor_and_trainers_train_together_and_a_late_trainer_catches_up(token
     rows = read_rows(metrics_path)
     steps, losses = [int(row["step"]) for row in rows], [float(row["loss"]) for row in rows]
     assert steps == list(range(1, len(steps) + 1)), "the metrics file has every step, once, in order"
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.15, losses  # ~0.3 in 10 steps when measured
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, losses  # ~0.3-0.4 in 12 steps when measured
     assert "Step #1  loss = " in swarm.read_log("monitor")
     checkpoints = sorted((tmp_path / "checkpoints").iterdir())
     assert checkpoints and (checkpoints[-1] / "config.json").exists() and (checkpoints[-1] / "optimizer.pt").exists()
@@ -427,3 +427,21 @@ def test_a_trainer_resumes_from_its_own_checkpoint_at_its_epoch(tokenized, tmp_p
     second = train(10)
     assert f"resuming from {tmp_path / 'out' / 'checkpoint-6'}" in second
     assert "Starting at global epoch 3" in second and "Step #4" in second
+
+
+@pytest.mark.timeout(10)
+def test_monitor_reads_the_swarms_progress_and_skips_stale_or_malformed_reports():
+    from plexus.utils.timed_storage import ValueWithExpiration
+    from run_training_monitor import swarm_progress
+
+    def report(epoch, samples, speed, when, client=False):
+        return dict(epoch=epoch, samples_accumulated=samples, samples_per_second=speed, time=when, client_mode=client)
+
+    found = ValueWithExpiration({
+        b"a": ValueWithExpiration(report(3, 10, 2.0, 100.0), 0), b"b": ValueWithExpiration(report(2, 7, 1.0, 99.0), 0),
+        b"c": ValueWithExpiration(report(9, 5, 1.0, 100.0, client=True), 0),  # clients do not set the epoch
+        b"old": ValueWithExpiration(report(4, 5, 1.0, 10.0), 0), b"gone": ValueWithExpiration(None, 0),
+        b"bad": ValueWithExpiration({"epoch": "3"}, 0)}, 0)
+    assert swarm_progress(found, now=101.0) == dict(epoch=3, peers=3, clients=1, samples_accumulated=10,
+                                                    samples_per_second=4.0)
+    assert swarm_progress(None, now=101.0)["peers"] == 0

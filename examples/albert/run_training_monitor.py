@@ -147,14 +147,20 @@ def swarm_progress(found, now: float) -> dict:
     if found is not None and isinstance(found.value, dict):
         for entry in found.value.values():
             report = entry.value
-            if isinstance(report, dict) and isinstance(report.get("time"), float) \
-                    and now - report["time"] <= PROGRESS_STALE_AFTER:
+            if _is_fresh_progress(report, now):
                 peers.append(report)
     workers = [p for p in peers if not p.get("client_mode")] or peers
     epoch = max((p["epoch"] for p in workers), default=0)
     return dict(epoch=epoch, peers=len(peers), clients=sum(bool(p.get("client_mode")) for p in peers),
                 samples_accumulated=sum(p["samples_accumulated"] for p in peers if p["epoch"] == epoch),
                 samples_per_second=sum(p["samples_per_second"] for p in peers))
+
+
+def _is_fresh_progress(report, now: float) -> bool:
+    """Only well-formed, recent reports count (the DHT's schema only guards the peers that declared it)."""
+    types = dict(epoch=int, samples_accumulated=int, samples_per_second=float, time=float, client_mode=bool)
+    return (isinstance(report, dict) and all(isinstance(report.get(key), kind) for key, kind in types.items())
+            and now - report["time"] <= PROGRESS_STALE_AFTER)
 
 
 def write_status(path: str, status: dict) -> None:

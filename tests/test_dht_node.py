@@ -231,7 +231,7 @@ def test_lookups_stop_waiting_for_silent_peers_long_before_the_request_timeout()
         for node in silent:
             network.make_unresponsive(node.peer_id)
         reader = nodes[1]
-        assert reader.latency.srtt is not None and reader.latency.straggler_timeout() < 1.0
+        assert reader.latency.straggler_timeout() < 1.0  # learnt from the answers so far
         loop = asyncio.get_running_loop()
         started = loop.time()
         assert (await reader.get("k", latest=True)).value == "v"

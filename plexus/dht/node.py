@@ -371,7 +371,7 @@ class DHTNode:
                         ]
                         if on_result is not None:
                             on_result(request, query, self.protocol.filter_found(query, result, now))
-                    traversal.on_response(request, neighbours)
+                    traversal.on_response(request, neighbours, loop.time())
         finally:
             cancelled = []
             for task, request in pending.items():
@@ -388,6 +388,7 @@ class DHTNode:
         return Traversal(
             queries, self._initial_nodes(queries, beam_size), beam_size, num_workers or self.num_workers,
             exclude=[self.node_id], straggler_timeout=self.latency.straggler_timeout(),
+            min_straggler_timeout=self.latency.floor,
         )
 
     async def find_nearest_nodes(

@@ -14,14 +14,19 @@ member of a full beam (or, with the beam not full, nothing is left to ask or wai
 lookup is `done` when every query is finished; the driver then drops requests still in flight.
 
 Stragglers. A silent peer (frozen, or its network cut) would otherwise hold every lookup that
-asked it until the driver's timeout. With `straggler_timeout` set, a request outstanding that long
-(by the `now` the driver passes to `next_queries`/`handle_timer`; `next_deadline()` says when to
-look again) becomes a *straggler*, as libp2p's Kademlia lookups mark peers unresponsive: it no
-longer blocks any query from finishing and no longer takes one of the `num_workers` slots, so
-the next candidate is asked in its place. Its answer still counts if it comes before the lookup
-is done; its failure still excludes the peer. At most `max_stragglers` may be outstanding, which
-bounds how far a lookup can outgrow `num_workers` when every peer is slow. Time is only ever a
-parameter here: nothing reads a clock, a value or the network.
+asked it until the driver's timeout. With `straggler_timeout` set, a request outstanding longer
+than the lookup's straggler limit (by the `now` the driver passes to `next_queries`/`handle_timer`;
+`next_deadline()` says when to look again) becomes a *straggler*, as libp2p's Kademlia lookups mark
+peers unresponsive: it no longer blocks any query from finishing and no longer takes one of the
+`num_workers` slots, so the next candidate is asked in its place. Only a query whose beam is still
+short keeps waiting for its stragglers (they may be all it has left), so impatience never cuts a
+lookup short of `beam_size` answers. Its answer still counts if it comes before the lookup is done;
+its failure still excludes the peer. The limit starts at
+`straggler_timeout` (the driver's guess, e.g. from earlier lookups); once answers carry `now`, it
+follows this lookup's own answers: STRAGGLER_FACTOR times their 90th percentile duration, at least
+`min_straggler_timeout`, so a stale guess is corrected within the first round trip. At most
+`max_stragglers` may be outstanding, which bounds how far a lookup can outgrow `num_workers` when
+every peer is slow. Time is only ever a parameter here: nothing reads a clock or the network.
 """
 
 import dataclasses
@@ -34,6 +39,8 @@ from ..p2p.identity import PeerID
 from .routing import DHTID
 
 Neighbours = Sequence[tuple[DHTID, PeerID]]
+STRAGGLER_FACTOR = 2.0
+MAX_DURATIONS = 256  # answers remembered per lookup for the straggler limit
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,7 +54,7 @@ class TraversalRequest:
 
 
 class _QueryState:
-    __slots__ = ("query", "candidates", "asked", "beam", "in_flight", "finished")
+    __slots__ = ("query", "candidates", "asked", "beam", "in_flight", "straggling", "finished")
 
     def __init__(self, query: DHTID):
         self.query = query
@@ -55,6 +62,7 @@ class _QueryState:
         self.asked: set[DHTID] = set()
         self.beam: list[tuple[int, DHTID]] = []  # max-heap of the nearest responders, as (-distance, id)
         self.in_flight: list[DHTID] = []
+        self.straggling: list[DHTID] = []  # asked long ago: they block this query only while its beam is short
         self.finished = False
 
 
@@ -70,13 +78,15 @@ class Traversal:
         queries_per_call: int | None = None,
         exclude: Iterable[DHTID] = (),
         straggler_timeout: float | None = None,
+        min_straggler_timeout: float = 0.0,
         max_stragglers: int | None = None,
     ):
         if beam_size < 1 or num_workers < 1:
             raise ValueError("beam_size and num_workers must be positive")
         if straggler_timeout is not None and straggler_timeout < 0:
             raise ValueError(f"straggler_timeout must be non-negative, got {straggler_timeout}")
-        self.straggler_timeout = straggler_timeout
+        self.straggler_timeout, self.min_straggler_timeout = straggler_timeout, min_straggler_timeout
+        self._durations: list[float] = []  # of this lookup's answers, when the driver said `now`
         self.max_stragglers = 4 * num_workers if max_stragglers is None else max_stragglers
         self._stragglers: set[TraversalRequest] = set()
         self._states = {query: _QueryState(query) for query in queries}
@@ -116,30 +126,46 @@ class Traversal:
         if not state.finished:
             bound = self._beam_bound(state)
             candidate = self._nearest_candidate(state)
-            waiting = any((node_id ^ state.query) < bound for node_id in state.in_flight)
+            waiting = any((node_id ^ state.query) < bound for node_id in state.in_flight) or (
+                state.straggling and len(state.beam) < self.beam_size)
             if not waiting and (candidate is None or candidate[0] >= bound):
                 state.finished = True
         return state.finished
 
-    def handle_timer(self, now: float) -> None:
-        """Turn requests outstanding for `straggler_timeout` or longer into stragglers, oldest
-        first, while fewer than `max_stragglers` are outstanding."""
+    @property
+    def straggler_limit(self) -> float | None:
+        """How long a request may be outstanding before it turns into a straggler (None: never)."""
         if self.straggler_timeout is None:
+            return None
+        if not self._durations:
+            return self.straggler_timeout
+        ordered = sorted(self._durations)
+        p90 = ordered[(9 * len(ordered)) // 10]
+        return max(self.min_straggler_timeout, STRAGGLER_FACTOR * p90)
+
+    def handle_timer(self, now: float) -> None:
+        """Turn requests outstanding for the straggler limit or longer into stragglers, oldest
+        first, while fewer than `max_stragglers` are outstanding."""
+        limit = self.straggler_limit
+        if limit is None:
             return
-        overdue = sorted((r for r in self._in_flight if now - r.sent_at >= self.straggler_timeout),
-                         key=lambda r: r.sent_at)
+        # `sent_at + limit` exactly as in next_deadline(), so a driver woken at the deadline finds it due
+        overdue = sorted((r for r in self._in_flight if r.sent_at + limit <= now), key=lambda r: r.sent_at)
         for request in overdue[: max(0, self.max_stragglers - len(self._stragglers))]:
             self._in_flight.discard(request)
             self._stragglers.add(request)
             for query in request.queries:
-                self._states[query].in_flight.remove(request.node_id)
+                state = self._states[query]
+                state.in_flight.remove(request.node_id)
+                state.straggling.append(request.node_id)
 
     def next_deadline(self) -> float | None:
         """When the oldest request in flight turns into a straggler; None when time alone changes
         nothing (no straggler timeout, nothing in flight, or `max_stragglers` outstanding)."""
-        if self.straggler_timeout is None or not self._in_flight or len(self._stragglers) >= self.max_stragglers:
+        limit = self.straggler_limit
+        if limit is None or not self._in_flight or len(self._stragglers) >= self.max_stragglers:
             return None
-        return min(request.sent_at for request in self._in_flight) + self.straggler_timeout
+        return min(request.sent_at + limit for request in self._in_flight)
 
     def next_queries(self, now: float = 0.0) -> list[TraversalRequest]:
         """Requests to send now (stamped `now`), keeping at most `num_workers` in flight besides
@@ -168,15 +194,21 @@ class Traversal:
         states = [self._states[query] for query in request.queries]
         if request in self._stragglers:  # no longer counted in any query's in_flight
             self._stragglers.discard(request)
+            for state in states:
+                state.straggling.remove(request.node_id)
             return states
         self._in_flight.discard(request)
         for state in states:
             state.in_flight.remove(request.node_id)
         return states
 
-    def on_response(self, request: TraversalRequest, neighbours: Mapping[DHTID, Neighbours]) -> None:
+    def on_response(self, request: TraversalRequest, neighbours: Mapping[DHTID, Neighbours],
+                    now: float | None = None) -> None:
         """The peer answered (a straggler too): it joins the beam of each query it was asked, and
-        its neighbours become candidates of the queries still open."""
+        its neighbours become candidates of the queries still open. With `now`, how long it took
+        tunes the straggler limit."""
+        if now is not None and len(self._durations) < MAX_DURATIONS:
+            self._durations.append(max(0.0, now - request.sent_at))
         for state in self._complete(request):
             entry = (-(request.node_id ^ state.query), request.node_id)
             if len(state.beam) < self.beam_size:

@@ -132,6 +132,7 @@ class Optimizer(torch.optim.Optimizer):
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
             status_loglevel=self.status_loglevel, **(tracker_opts or {}))
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
+        self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet
         self._must_load_state = False  # a gradient round showed that we are behind
         self._next_load_attempt = 0.0  # time.monotonic() before which a failed catch-up is not retried
@@ -297,7 +298,8 @@ class Optimizer(torch.optim.Optimizer):
     def _maybe_schedule_gradient_averaging(self) -> None:
         progress = self.tracker.global_progress
         eta = self.tracker.estimated_next_update_time - get_dht_time()
-        if progress.num_peers > 1 and eta <= self.matchmaking_time and _idle(self._scheduled_grads):
+        if progress.num_peers > 1 and eta <= self.matchmaking_time and _idle(self._scheduled_grads) \
+                and _idle(self._triggered_grads):  # one round at a time (delayed rounds run on)
             self._scheduled_grads = self._schedule_gradient_round(
                 max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1))
 
@@ -410,11 +412,15 @@ class Optimizer(torch.optim.Optimizer):
             control = self._schedule_gradient_round()
         epoch = self.local_epoch
         self.grad_averager.step(control=control, reset_accumulators=True, wait=False)
+        self._triggered_grads = control
+        # with delay_grad_averaging we wait in the background after our epoch moved on, so peers
+        # that averaged with us are one epoch ahead of this round too: only further means "without us"
+        moved_on = epoch + 1 if self.delay_grad_averaging else epoch
 
         def wait_for_gradients() -> bool:
             """Wait for the round; True when it showed that this peer is behind the swarm."""
             try:
-                gathered = self._wait_for_round(control, epoch)
+                gathered = self._wait_for_round(control, moved_on)
                 if gathered is None:  # the swarm averaged this epoch without us and moved on
                     self._must_load_state = True
                     return True
@@ -441,7 +447,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _wait_for_round(self, control: StepControl, epoch: int) -> dict | None:
         """The round's result; None if, while we were still looking for a group, the tracker showed
-        that the swarm already moved past `epoch` (a group formed without us: waiting out the
+        the swarm past `epoch` (a group formed without us: waiting out the
         timeout and stepping alone would only put us further apart). Raises the round's error,
         or AveragingError at once when the tracker shows that nobody else is left."""
         deadline = time.monotonic() + self.averaging_timeout

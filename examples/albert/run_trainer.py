@@ -262,7 +262,6 @@ def main(argv: list[str] | None = None):
     if args.fp16 and not torch.cuda.is_available():
         logger.warning("--fp16 needs a GPU (on CPU it is several times slower); training in fp32")
         args.fp16 = False
-    # SIGTERM (e.g. from a launcher) stops as Ctrl+C does: the peer says goodbye to the swarm
     stop_on_signals()
 
     dataset = PretrainingDataset(data_args.dataset_path)

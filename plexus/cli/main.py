@@ -1,6 +1,6 @@
 """`plexus` command line: one entry point, one sub-command per job.
 
-    plexus demo      start two local peers and ping one from the other
+    plexus demo      a local swarm pre-training a tiny ALBERT (--ping-only: two peers and a ping)
     plexus dht       run a DHT peer that others can bootstrap from
     plexus server    serve mixture-of-experts experts and announce them in the DHT
     plexus doctor    check this machine's addresses, NAT, reachability, relays and clock skew

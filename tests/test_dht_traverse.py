@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from plexus.dht.latency import LatencyEstimator
+from plexus.dht.latency import FACTOR, LatencyEstimator
 from plexus.dht.routing import DHTID, RoutingTable
-from plexus.dht.traverse import Traversal
+from plexus.dht.traverse import STRAGGLER_FACTOR, Traversal
 from plexus.p2p.identity import PrivateKey
 
 pytestmark = pytest.mark.timeout(30)
@@ -164,19 +164,19 @@ def test_traversal_rejects_a_negative_straggler_timeout():
         Traversal([DHTID(1)], [], beam_size=5, straggler_timeout=-1)
 
 
-def test_latency_estimator_takes_twice_the_recent_p90_clamped():
+def test_latency_estimator_takes_a_multiple_of_the_recent_p90_clamped():
     estimator = LatencyEstimator(ceiling=3.0, floor=0.1)
     assert estimator.straggler_timeout() == 3.0  # nothing learnt yet: the ceiling
     estimator.observe(0.2)
-    assert estimator.straggler_timeout() == pytest.approx(0.4)
+    assert estimator.straggler_timeout() == pytest.approx(min(3.0, FACTOR * 0.2))
     for _ in range(29):
-        estimator.observe(0.05)
+        estimator.observe(0.01)
     estimator.observe(1.0)  # two outliers in 32 answers are above the 90th percentile: ignored
     estimator.observe(0.9)
-    assert estimator.straggler_timeout() == pytest.approx(0.1)  # 2 x 0.05, lifted to the floor
+    assert estimator.straggler_timeout() == pytest.approx(0.1)  # FACTOR x 0.01, lifted to the floor
     for _ in range(32):
         estimator.observe(0.3)  # the window forgets: only these 32 count now
-    assert estimator.straggler_timeout() == pytest.approx(0.6)
+    assert estimator.straggler_timeout() == pytest.approx(min(3.0, FACTOR * 0.3))
     for _ in range(32):
         estimator.observe(10.0)
     assert estimator.straggler_timeout() == 3.0  # the ceiling
@@ -188,18 +188,20 @@ def test_latency_estimator_takes_twice_the_recent_p90_clamped():
 
 def test_the_limit_follows_this_lookups_own_answers():
     """The driver's guess only holds until the first answers: a stale, high guess is lowered to
-    twice the answers' p90 (not below the floor), and slow answers raise it above a low guess."""
+    STRAGGLER_FACTOR x the answers' p90 (not below the floor), and slow answers raise it above a
+    low guess."""
     ids, tables = simulate(seed=6)
     query = DHTID.generate("q")
     traversal = start(ids, tables, query, straggler_timeout=5.0, min_straggler_timeout=0.05)
     first = traversal.next_queries(now=0.0)
     assert traversal.straggler_limit == 5.0 and traversal.next_deadline() == 5.0
     traversal.on_response(first[0], {query: []}, now=0.04)
-    assert traversal.straggler_limit == pytest.approx(0.08)
-    assert traversal.next_deadline() == pytest.approx(0.08)  # first[1] and first[2], sent at 0
+    limit = STRAGGLER_FACTOR * 0.04
+    assert traversal.straggler_limit == pytest.approx(limit)
+    assert traversal.next_deadline() == pytest.approx(limit)  # first[1] and first[2], sent at 0
     traversal.on_response(first[1], {query: []}, now=0.01)
-    assert traversal.straggler_limit == pytest.approx(0.08)  # p90 of two answers is the slower one
-    traversal.handle_timer(0.08)
+    assert traversal.straggler_limit == pytest.approx(limit)  # p90 of two answers is the slower one
+    traversal.handle_timer(limit)
     assert traversal.is_straggler(first[2])
     floor = start(ids, tables, query, straggler_timeout=5.0, min_straggler_timeout=0.05)
     request = floor.next_queries(now=1.0)[0]
@@ -208,7 +210,7 @@ def test_the_limit_follows_this_lookups_own_answers():
     slow = start(ids, tables, query, straggler_timeout=0.1)
     request = slow.next_queries(now=0.0)[0]
     slow.on_response(request, {query: []}, now=0.5)
-    assert slow.straggler_limit == pytest.approx(1.0)
+    assert slow.straggler_limit == pytest.approx(STRAGGLER_FACTOR * 0.5)
     assert start(ids, tables, query).straggler_limit is None  # no timeout: no stragglers at all
 
 

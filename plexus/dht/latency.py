@@ -19,7 +19,7 @@ from collections import deque
 
 DEFAULT_FLOOR = 0.1  # s: absorbs event-loop stalls (GC, a busy training thread) on fast networks
 WINDOW = 32
-FACTOR = 2.0
+FACTOR = 4.0  # as traverse.STRAGGLER_FACTOR
 
 
 class LatencyEstimator:

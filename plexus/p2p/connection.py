@@ -9,13 +9,14 @@ the other way: the yamux core queues headers and memoryviews of the caller's dat
 them into Noise messages of the maximum size, encrypts them into a reusable output buffer and hands
 a few messages at a time to the socket (see ../../shared notes: transport-performance.md).
 
-Coalescing. Small output (stream opens, window updates, FIN/RST, writes up to COALESCE_LIMIT) is
-only queued, and one flush is scheduled with `call_soon` for the end of this loop iteration, so a
-unary RPC (SYN, multistream proposal, request, FIN) leaves in one Noise message and one send
-instead of one each. Small writes of mutable buffers are copied first, since the caller may reuse
-its buffer once `write` returns. A large write flushes at once without copying (taking whatever
-was queued before it along, in order), and so does a queue that has grown to a full Noise message.
-The cost is at most one loop iteration of delay for small frames.
+Coalescing. Control frames (stream opens, window updates, FIN/RST) are only queued, with one
+flush scheduled by `call_soon` for the next loop iteration. A write flushes at once (zero-copy,
+taking whatever was queued before it along, in order), unless it is small (up to COALESCE_LIMIT)
+and a flush is already scheduled: then it joins that flush, copied first if the caller's buffer is
+mutable (it may reuse it once `write` returns). So a unary RPC (SYN, multistream proposal, request,
+FIN; on the other side ACK, answer, response, FIN) leaves in one Noise message and one send instead
+of one each, while a lone write, as in a request/response ping-pong on an open stream, still goes
+out without waiting a loop iteration. A queue grown to a full Noise message is flushed at once.
 
 Bounds: the receive buffer never holds more than one partial Noise frame besides new data, the
 upgrade has a deadline, and any RemoteProtocolError closes this connection alone, with the reason
@@ -44,7 +45,7 @@ RECEIVE_BUFFER_SIZE = 1 << 20
 MIN_FREE_SPACE = 128 << 10
 NOISE_MESSAGES_PER_WRITE = 4
 WRITE_HIGH_WATER = 4 << 20
-COALESCE_LIMIT = 32 << 10  # writes up to this size wait for the end of the loop iteration
+COALESCE_LIMIT = 32 << 10  # writes up to this size join a flush already scheduled
 
 
 class Phase(enum.Enum):
@@ -349,17 +350,17 @@ class Connection(asyncio.BufferedProtocol):
                 raise ConnectionClosedError(self.close_reason or "connection closed")
 
     def _send(self, stream_id: int, data: memoryview) -> int:
-        """Queue what the send window allows of `data`; return how many bytes were taken."""
-        if len(data) > COALESCE_LIMIT:
+        """Send what the send window allows of `data`; return how many bytes were taken."""
+        if self._flush_scheduled and len(data) <= COALESCE_LIMIT:  # join the flush already due
+            if type(data.obj) is not bytes:  # the caller may change its buffer once we return
+                data = memoryview(bytes(data))
             accepted = self._yamux.send_data(stream_id, data)
             if accepted:
-                self._flush()  # zero-copy: the socket (or its buffer) has the bytes on return
+                self._flush_soon()
             return accepted
-        if type(data.obj) is not bytes:  # the caller may change its buffer once we return
-            data = memoryview(bytes(data))
         accepted = self._yamux.send_data(stream_id, data)
         if accepted:
-            self._flush_soon()
+            self._flush()  # zero-copy: the socket (or its buffer) has the bytes on return
         return accepted
 
     def _stream_consumed(self, stream_id: int, n: int) -> None:

@@ -88,7 +88,7 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     grad_scaler = None
     if config.get("grad_scaler"):
         from plexus.optim.grad_scaler import GradScaler
-        grad_scaler = GradScaler(init_scale=config["grad_scaler"])
+        grad_scaler = GradScaler("cpu", init_scale=config["grad_scaler"])
     try:
         while opt.local_epoch < config["epochs"] and time.monotonic() < deadline \
                 and not (stop is not None and stop.is_set()):
@@ -102,6 +102,7 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
                 if grad_scaler is not None:
                     grad_scaler.scale(loss).backward()
                     opt.step(grad_scaler=grad_scaler)
+                    grad_scaler.update()
                 else:
                     loss.backward()
                     opt.step()

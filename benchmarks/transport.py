@@ -118,12 +118,7 @@ def receiver(conn, cert_path: str, key_path: str) -> None:
 
 # --- the sending side ---------------------------------------------------------------------------
 
-class Variant:
-    async def connect(self):
-        raise NotImplementedError
-
-
-class TCPVariant(Variant):
+class TCPVariant:
     def __init__(self, port: int, ssl_context=None):
         self.port, self.ssl_context = port, ssl_context
 
@@ -142,9 +137,7 @@ class TCPVariant(Variant):
         for _ in range(total // CHUNK):
             writer.write(payload)
             await writer.drain()
-        writer.write_eof() if self.ssl_context is None else None
-        if self.ssl_context is not None:  # TLS cannot half-close: tell the size through a second stream
-            raise NotImplementedError
+        writer.write_eof()
         received = int.from_bytes(await reader.readexactly(8), "big")
         writer.close()
         return received
@@ -173,7 +166,7 @@ class TLSVariant(TCPVariant):
         return total
 
 
-class PlexusVariant(Variant):
+class PlexusVariant:
     def __init__(self, maddr: str):
         self.maddr = maddr
         self.peer = PeerID.from_string(maddr.rsplit("/", 1)[1])

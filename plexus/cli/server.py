@@ -75,9 +75,10 @@ def add_arguments(parser) -> None:
     network.add_argument("--identity_path", help="file with this peer's private key (created when missing), "
                          "so its peer id stays the same across restarts")
     network.add_argument("--no_relay", action="store_true",
-                         help="accepted for compatibility (relays are off here)")
+                         help="do not dial peers through circuit relays (nor accept relayed connections)")
     network.add_argument("--use_auto_relay", action="store_true",
-                         help="accepted for compatibility; no effect yet")
+                         help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
+                         "advertise relayed addresses")
     network.add_argument("--update_period", type=float, default=30.0,
                          help="seconds between re-announcements in the DHT and checkpoints (default 30)")
     network.add_argument("--expiration", type=float,
@@ -103,9 +104,8 @@ def run(args) -> int:
         signal.signal(signum, lambda *_: stop.set())
     if args.increase_file_limit:
         _raise_file_limit()
-    if args.num_handlers is not None or args.stats_report_interval is not None or args.use_auto_relay:
-        logger.warning("--num_handlers, --stats_report_interval and --use_auto_relay have no effect "
-                       "in Plexus")
+    if args.num_handlers is not None or args.stats_report_interval is not None:
+        logger.warning("--num_handlers and --stats_report_interval have no effect in Plexus")
     started = time.perf_counter()
     server = Server.create(
         num_experts=args.num_experts, expert_uids=args.expert_uids, expert_pattern=args.expert_pattern,
@@ -117,6 +117,7 @@ def run(args) -> int:
         compression=CompressionType[args.compression], custom_module_path=args.custom_module_path,
         update_period=args.update_period, expiration=args.expiration, start=True,
         host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
+        use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay,
     )
     try:
         maddrs = " ".join(str(addr) for addr in server.dht.get_visible_maddrs())

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from plexus.dht.p2p_transport import MAX_SHARED_ADDRESSES, HostDHTTransport
-from plexus.p2p.host import Host
+from plexus.p2p.host import MAX_ADDRS_PER_PEER, Host
 from plexus.p2p.identity import PrivateKey
 from plexus.p2p.multiaddr import Multiaddr
 
@@ -37,9 +37,19 @@ def test_shared_and_learnt_addresses_follow_the_host():
         transport.add_addresses([(host.peer_id, (third.to_bytes(),))])  # never our own
         assert host.peer_info(host.peer_id) is None
 
-        many = [Multiaddr(f"/ip4/10.0.1.{i}/tcp/{i}") for i in range(1, 12)]
+        many = [Multiaddr(f"/ip4/10.0.1.{i}/tcp/{i}") for i in range(1, MAX_ADDRS_PER_PEER + 2)]
         host.add_addrs(other, many)
         assert len(transport.known_addresses(other)) <= MAX_SHARED_ADDRESSES
+        # a full list whose first address object and length stay the same, yet whose contents change
+        full = list(host.peer_info(other).addrs)
+        first, new = full[0], Multiaddr("/ip4/10.0.2.1/tcp/1")
+        transport.known_addresses(other)
+        host.add_addrs(other, [new, first])
+        assert len(full) == MAX_ADDRS_PER_PEER
+        assert host.peer_info(other).addrs[0] is first and len(host.peer_info(other).addrs) == len(full)
+        assert list(transport.known_addresses(other)) == [a.to_bytes() for a in host.peer_info(other).addrs][
+            :MAX_SHARED_ADDRESSES]
+        assert new.to_bytes() in transport.known_addresses(other)
         await host.shutdown()
 
     asyncio.run(main())

@@ -60,8 +60,8 @@ def drive(traversal, tables, delays, silent=(), max_outstanding=None):
             traversal.on_failure(request)
         else:
             table = tables[request.node_id]
-            answer = {q: [n for n in table.get_nearest_neighbors(q, BUCKET + len(silent)) if n[0] not in silent]
-                      [:BUCKET] for q in request.queries}
+            answer = {q: [n for n in table.get_nearest_neighbors(q, BUCKET + len(silent))
+                          if n[0] not in silent][:BUCKET] for q in request.queries}
             traversal.on_response(request, answer, now)
     return now, trace
 
@@ -84,7 +84,8 @@ def test_a_silent_peer_among_the_nearest_costs_the_straggler_limit_not_the_timeo
     ended, trace = drive(with_limit, tables, {}, silent)
     assert ended < 2.0
     alive = [n for n in ids[1:] if n not in silent]
-    assert [node_id for node_id, _ in with_limit.nearest(query)] == sorted(alive, key=lambda n: n ^ query)[:BUCKET]
+    expected = sorted(alive, key=lambda n: n ^ query)[:BUCKET]
+    assert [node_id for node_id, _ in with_limit.nearest(query)] == expected
     assert with_limit.stragglers == 1  # the silent one is still out there (farther ones may be too)
 
 

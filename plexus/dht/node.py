@@ -350,7 +350,8 @@ class DHTNode:
                     return
                 deadline = traversal.next_deadline()
                 timeout = None if deadline is None else max(0.0, deadline - loop.time())
-                finished, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                finished, _ = await asyncio.wait(
+                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 now = get_dht_time()
                 for task in finished:
                     request = pending.pop(task)
@@ -375,7 +376,8 @@ class DHTNode:
         finally:
             cancelled = []
             for task, request in pending.items():
-                if traversal.is_straggler(request) and self.is_alive and len(self._tasks) < MAX_BACKGROUND_TASKS:
+                detach = self.is_alive and len(self._tasks) < MAX_BACKGROUND_TASKS
+                if detach and traversal.is_straggler(request):
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
                 else:
@@ -384,7 +386,8 @@ class DHTNode:
             if cancelled:
                 await asyncio.gather(*cancelled, return_exceptions=True)
 
-    def _new_traversal(self, queries: Collection[DHTID], beam_size: int, num_workers: int | None) -> Traversal:
+    def _new_traversal(self, queries: Collection[DHTID], beam_size: int,
+                       num_workers: int | None) -> Traversal:
         return Traversal(
             queries, self._initial_nodes(queries, beam_size), beam_size, num_workers or self.num_workers,
             exclude=[self.node_id], straggler_timeout=self.latency.straggler_timeout(),

@@ -42,19 +42,18 @@ class HostDHTTransport:
         rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE)
 
     def _binary_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
-        """The host's addresses of `peer`, in binary. The host only ever changes a peer's list by
-        putting a (new) address object first, or replaces the PeerInfo, so (info, first address,
-        length) identifies the list's contents without comparing them."""
+        """The host's addresses of `peer`, in binary, converted again only when the host's list
+        changed (the list comparison is one identity check per address while it has not)."""
         info = self.host.peer_info(peer)
         if info is None or not info.addrs:
             return ()
         cached = self._binary.get(peer)
-        if cached is not None and cached[0] is info and cached[1] is info.addrs[0] and cached[2] == len(info.addrs):
-            return cached[3]
+        if cached is not None and cached[0] is info and cached[1] == info.addrs:
+            return cached[2]
         binary = tuple(addr.to_bytes() for addr in info.addrs)
         if cached is None and len(self._binary) >= MAX_CACHED_PEERS:
             self._binary.pop(next(iter(self._binary)))  # the oldest entry
-        self._binary[peer] = (info, info.addrs[0], len(info.addrs), binary)
+        self._binary[peer] = (info, list(info.addrs), binary)
         return binary
 
     def known_addresses(self, peer: PeerID) -> tuple[bytes, ...]:

@@ -64,7 +64,8 @@ class _QueryState:
         self.asked: set[DHTID] = set()
         self.beam: list[tuple[int, DHTID]] = []  # max-heap of the nearest responders, as (-distance, id)
         self.in_flight: list[DHTID] = []
-        self.straggling: list[DHTID] = []  # asked long ago: they block this query only while its beam is short
+        # asked long ago: they hold this query open only while its beam is short
+        self.straggling: list[DHTID] = []
         self.finished = False
 
 

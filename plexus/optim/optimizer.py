@@ -229,7 +229,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            with contextlib.suppress(Exception):
+            if isinstance(loss, (int, float)) or isinstance(loss, torch.Tensor) and loss.numel() == 1:
                 self._losses.append(float(loss))
         self._log_finished_state_rounds()
 
@@ -330,8 +330,10 @@ class Optimizer(torch.optim.Optimizer):
             with contextlib.suppress(RuntimeError):
                 control.weight = 0.0
                 control.allow_allreduce()
-                with contextlib.suppress(Exception):
+                try:  # the group averages without us; its outcome only matters to it
                     control.result(self.averaging_timeout)
+                except Exception as error:
+                    logger.debug(f"the round we withdrew from ended with {error!r}")
                 return
         control.cancel()
         _wait_until_unwound(control)

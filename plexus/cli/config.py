@@ -51,3 +51,21 @@ def load_config(path: str) -> dict:
     if not isinstance(options, dict):
         raise SystemExit(f"config file {path} must hold a mapping of option names to values")
     return {key.replace("-", "_"): value for key, value in options.items()}
+
+
+def add_peer_arguments(parser) -> None:
+    """The flags every long-running peer takes: where to join, listen and announce, its identity,
+    and whether to use relays (hivemind's names)."""
+    parser.add_argument("--initial_peers", nargs="*", default=[], metavar="MADDR",
+                        help="multiaddrs of peers to join (…/p2p/<peer id>); none starts a new swarm")
+    parser.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
+                        help="addresses to listen on (default: all interfaces, port chosen by the OS)")
+    parser.add_argument("--announce_maddrs", nargs="*", default=[], metavar="MADDR",
+                        help="addresses to advertise instead of the listening ones (e.g. a public IP)")
+    parser.add_argument("--identity_path", help="file with this peer's private key (created when missing), "
+                        "so its peer id and address stay the same across restarts")
+    parser.add_argument("--no_relay", action="store_true",
+                        help="do not dial peers through circuit relays (nor accept relayed connections)")
+    parser.add_argument("--use_auto_relay", action="store_true",
+                        help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
+                        "advertise relayed addresses")

@@ -16,28 +16,16 @@ import threading
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
-from .config import add_config_argument
+from .config import add_config_argument, add_peer_arguments
 
 HELP = "run a DHT peer that others can bootstrap from"
 logger = get_logger(__name__)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--initial_peers", nargs="*", default=[], metavar="MADDR",
-                        help="multiaddrs of peers to join (…/p2p/<peer id>); none starts a new swarm")
-    parser.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                        help="addresses to listen on (default: all interfaces, port chosen by the OS)")
-    parser.add_argument("--announce_maddrs", nargs="*", default=[], metavar="MADDR",
-                        help="addresses to advertise instead of the listening ones (e.g. a public IP)")
-    parser.add_argument("--identity_path", help="file with this peer's private key (created when missing), "
-                        "so its peer id and address stay the same across restarts")
+    add_peer_arguments(parser)
     parser.add_argument("--client_mode", action="store_true",
                         help="only dial out: for peers that cannot accept incoming connections")
-    parser.add_argument("--no_relay", action="store_true",
-                        help="do not dial peers through circuit relays (nor accept relayed connections)")
-    parser.add_argument("--use_auto_relay", action="store_true",
-                        help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
-                        "advertise relayed addresses")
     parser.add_argument("--relays", nargs="*", default=[], metavar="MADDR",
                         help="relays for --use_auto_relay (default: initial peers that relay, then the DHT's)")
     parser.add_argument("--force_reachability", choices=["public", "private"],

@@ -19,6 +19,7 @@ import torch
 
 from ..compression import CompressionType
 from ..utils.logging import get_logger
+from .config import add_peer_arguments
 
 HELP = "serve mixture-of-experts experts and announce them in the DHT"
 logger = get_logger(__name__)
@@ -66,19 +67,7 @@ def add_arguments(parser) -> None:
                          help=f"raise the open-file limit to {FILE_LIMIT} (many client connections)")
 
     network = parser.add_argument_group("network")
-    network.add_argument("--initial_peers", nargs="*", default=[], metavar="MADDR",
-                         help="multiaddrs of DHT peers to join (…/p2p/<peer id>); none starts a new swarm")
-    network.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                         help="addresses to listen on (default: all interfaces, port chosen by the OS)")
-    network.add_argument("--announce_maddrs", nargs="*", default=[], metavar="MADDR",
-                         help="addresses to advertise instead of the listening ones (e.g. a public IP)")
-    network.add_argument("--identity_path", help="file with this peer's private key (created when missing), "
-                         "so its peer id stays the same across restarts")
-    network.add_argument("--no_relay", action="store_true",
-                         help="do not dial peers through circuit relays (nor accept relayed connections)")
-    network.add_argument("--use_auto_relay", action="store_true",
-                         help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
-                         "advertise relayed addresses")
+    add_peer_arguments(network)
     network.add_argument("--update_period", type=float, default=30.0,
                          help="seconds between re-announcements in the DHT and checkpoints (default 30)")
     network.add_argument("--expiration", type=float,

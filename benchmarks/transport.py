@@ -130,13 +130,17 @@ class TCPVariant:
         reader, writer = await self.connect()
         writer.close()
 
-    async def bulk(self, total: int) -> int:
+    async def send_bulk(self, total: int):
         reader, writer = await self.connect()
         writer.write(b"S")
         payload = memoryview(os.urandom(CHUNK))
         for _ in range(total // CHUNK):
             writer.write(payload)
             await writer.drain()
+        return reader, writer
+
+    async def bulk(self, total: int) -> int:
+        reader, writer = await self.send_bulk(total)
         writer.write_eof()
         received = int.from_bytes(await reader.readexactly(8), "big")
         writer.close()
@@ -154,13 +158,8 @@ class TCPVariant:
 
 class TLSVariant(TCPVariant):
     async def bulk(self, total: int) -> int:
-        # TLS over asyncio has no half-close, so the sink counts to a size announced up front
-        reader, writer = await self.connect()
-        writer.write(b"S")
-        payload = memoryview(os.urandom(CHUNK))
-        for _ in range(total // CHUNK):
-            writer.write(payload)
-            await writer.drain()
+        # TLS over asyncio has no half-close, so the sink cannot answer a count: close once sent
+        reader, writer = await self.send_bulk(total)
         writer.close()
         await writer.wait_closed()
         return total

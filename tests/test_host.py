@@ -145,6 +145,48 @@ def test_coalesced_small_writes_keep_their_bytes_and_order_with_large_ones():
     run(main())
 
 
+def test_received_data_survives_buffer_reuse_while_readers_hold_it():
+    """Streams keep views of decrypted batches until read. Twenty streams whose reader waits let
+    their windows of data pile up, holding every pooled buffer, so later batches go through the
+    scratch buffer; once read, each stream's bytes must still be exactly the bytes sent."""
+
+    async def main():
+        a, b = await hosts(2)
+        release, received = asyncio.Event(), {}
+
+        async def slow_sink(stream):
+            tag = await stream.readexactly(8)
+            await release.wait()
+            received[tag] = hashlib.sha256(await stream.read_until_eof(limit=16 << 20)).digest()
+            await stream.close()
+
+        b.set_stream_handler("/test/sink/1.0.0", slow_sink)
+        addr, sent = b.get_visible_maddrs()[0], {}
+
+        async def send(i: int):
+            tag, data = i.to_bytes(8, "big"), os.urandom(2 << 20)
+            sent[tag] = hashlib.sha256(data).digest()
+            stream = await a.new_stream(addr, "/test/sink/1.0.0", lazy=True)
+            await stream.write(tag + data)
+            await stream.close()
+            await stream.read_until_eof(limit=0)
+
+        senders = [asyncio.create_task(send(i)) for i in range(20)]
+        def buffered() -> int:
+            connection = b.get_connection(a.peer_id)
+            return sum(stream._buffered for stream in connection.streams.values()) if connection else 0
+
+        while buffered() < 16 << 20:  # every stream's window is full (the test's timeout bounds this)
+            await asyncio.sleep(0.01)
+        assert b.get_connection(a.peer_id)._scratch is not None  # the pool ran out on the way
+        release.set()
+        await asyncio.gather(*senders)
+        assert received == sent
+        await shutdown(a, b)
+
+    run(main())
+
+
 def test_unknown_protocol_is_refused_clearly():
     async def main():
         a, b = await hosts(2)

@@ -53,7 +53,7 @@ def merge_data(events):
     for event in events:
         if out and isinstance(event, DataReceived) and isinstance(out[-1], DataReceived):
             if out[-1].stream_id == event.stream_id:
-                out[-1] = DataReceived(event.stream_id, out[-1].data + event.data)
+                out[-1] = DataReceived(event.stream_id, bytes(out[-1].data) + bytes(event.data))
                 continue
         out.append(event)
     return out
@@ -161,6 +161,15 @@ def test_data_both_directions(bytewise):
     pair.pump(bytewise=bytewise)
     assert pair.take(c) == [StreamEnded(sid)]
     assert c.stream_ids == [] and s.stream_ids == []  # closed both ways: forgotten
+
+
+def test_payload_is_a_view_of_the_input_not_a_copy():
+    s = YamuxSession(is_client=False)
+    batch = bytearray(encode_header(TYPE_DATA, FLAG_SYN, 1, 3) + b"abc")
+    _, data = s.receive_data(memoryview(batch))
+    assert isinstance(data, DataReceived) and data.data == b"abc"
+    batch[-3:] = b"xyz"  # the driver must copy (or keep the batch) before it reuses the buffer
+    assert data.data == b"xyz"
 
 
 def test_data_frame_with_fin_gives_data_then_end():

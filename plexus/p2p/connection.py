@@ -9,6 +9,15 @@ the other way: the yamux core queues headers and memoryviews of the caller's dat
 them into Noise messages of the maximum size, encrypts them into a reusable output buffer and hands
 a few messages at a time to the socket (see ../../shared notes: transport-performance.md).
 
+Copies. Received payload is copied once, when a reader takes it from its stream: each batch of
+Noise messages is decrypted into a plaintext buffer from a small per-connection pool, and streams
+keep memoryviews of their large pieces (SHARED_PIECE_MIN or more); a buffer goes back to the pool
+when no stream holds a view of it (its reference count says so). Small pieces are copied at once,
+so a few idle bytes never pin a whole buffer, and when every pooled buffer is held the batch goes
+to a scratch buffer and is copied out, so memory stays bounded by MAX_PLAINTEXT_BUFFERS. The output
+buffer is reused after each write unless the transport kept a view of it (asyncio does on Python
+3.12+, until the bytes are sent; earlier versions copy what the socket did not take).
+
 Coalescing. Control frames (stream opens, window updates, FIN/RST) are only queued, with one
 flush scheduled by `call_soon` for the next loop iteration. A write flushes at once (zero-copy,
 taking whatever was queued before it along, in order), unless it is small (up to COALESCE_LIMIT)
@@ -26,9 +35,11 @@ logged.
 import asyncio
 import enum
 import mmap
+import sys
 import time
 
 from ..utils.logging import get_logger
+from .buffer_pool import BufferPool
 from .identity import PeerID, PrivateKey
 from .multiaddr import Multiaddr, from_socket_address
 from .protocols import yamux
@@ -42,6 +53,8 @@ logger = get_logger(__name__)
 NOISE_PROTOCOL = "/noise"
 YAMUX_PROTOCOL = "/yamux/1.0.0"
 RECEIVE_BUFFER_SIZE = 1 << 20
+MAX_PLAINTEXT_BUFFERS = 16  # per connection: RECEIVE_BUFFER_SIZE each, held by unread stream data
+SHARED_PIECE_MIN = 64 << 10  # smaller received pieces are copied at once instead of pinning a buffer
 MIN_FREE_SPACE = 128 << 10
 NOISE_MESSAGES_PER_WRITE = 4
 WRITE_HIGH_WATER = 4 << 20
@@ -73,22 +86,22 @@ class Connection(asyncio.BufferedProtocol):
         self.streams: dict[int, Stream] = {}
         self._on_stream, self._on_close, self._max_streams = on_stream, on_close, max_streams
         self._transport: asyncio.Transport | None = None
-        # One anonymous mapping holds every buffer: its pages take memory only once written, where
-        # zero-filled bytearrays cost ~2.3 MiB per connection at once, busy or idle.
-        out_size = NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18)
-        self._memory = mmap.mmap(-1, 2 * RECEIVE_BUFFER_SIZE + out_size + NoiseTransport.MAX_PLAINTEXT)
+        # Buffers are anonymous mappings: their pages take memory only once written, where
+        # zero-filled bytearrays would cost megabytes per connection at once, busy or idle.
+        self._memory = mmap.mmap(-1, RECEIVE_BUFFER_SIZE + NoiseTransport.MAX_PLAINTEXT)
         memory = memoryview(self._memory)
         self._buffer = memory[:RECEIVE_BUFFER_SIZE]
         self._view = self._buffer
         self._start = self._end = 0
-        self._plain = memory[RECEIVE_BUFFER_SIZE : 2 * RECEIVE_BUFFER_SIZE]
+        self._plaintext = BufferPool(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)
+        self._scratch: mmap.mmap | None = None  # decrypts a batch when every pooled buffer is held
         self._data_arrived = asyncio.Event()
         self._made = asyncio.Event()
         self._eof_received = False
         self._noise: NoiseTransport | None = None
         self._yamux: yamux.YamuxSession | None = None
-        self._out = memory[2 * RECEIVE_BUFFER_SIZE : 2 * RECEIVE_BUFFER_SIZE + out_size]
-        self._staging = memory[2 * RECEIVE_BUFFER_SIZE + out_size :]
+        self._out = mmap.mmap(-1, NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18))
+        self._staging = memory[RECEIVE_BUFFER_SIZE:]
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._flush_scheduled = False
@@ -195,10 +208,11 @@ class Connection(asyncio.BufferedProtocol):
     async def _read_decrypted(self) -> bytes:
         while True:
             if self._start < self._end:
-                consumed, produced = self._noise.open_into(self._view[self._start : self._end], self._plain)
+                plain, _ = self._plaintext_buffer()
+                consumed, produced = self._noise.open_into(self._view[self._start : self._end], plain)
                 self._start += consumed
                 if produced:
-                    return bytes(self._plain[:produced])
+                    return plain[:produced]
             if self._eof_received or self.phase is Phase.CLOSED:
                 raise ConnectionClosedError(self.close_reason or "peer closed the connection during the upgrade")
             self._data_arrived.clear()
@@ -233,24 +247,37 @@ class Connection(asyncio.BufferedProtocol):
             raise RemoteProtocolError("receive buffer overflow")
 
     def _receive_muxed(self) -> None:
-        consumed, produced = self._noise.open_into(self._view[self._start : self._end], self._plain)
+        plain, shareable = self._plaintext_buffer()
+        consumed, produced = self._noise.open_into(self._view[self._start : self._end], plain)
         self._start += consumed
         if self._start == self._end:
             self._start = self._end = 0
         if produced:
-            self._dispatch(self._yamux.receive_data(self._plain[:produced], now=time.monotonic()))
+            with memoryview(plain) as view:
+                self._dispatch(self._yamux.receive_data(view[:produced], now=time.monotonic()), shareable)
         if self._yamux.pending_bytes():  # pongs, window updates; streams woken above may add replies
             self._flush_soon()
+
+    def _plaintext_buffer(self) -> tuple[mmap.mmap, bool]:
+        """A buffer to decrypt into, and whether streams may keep views of it (see the module comment)."""
+        buffer = self._plaintext.get()
+        if buffer is not None:
+            return buffer, True
+        if self._scratch is None:
+            self._scratch = mmap.mmap(-1, RECEIVE_BUFFER_SIZE)
+        return self._scratch, False
 
     def _plain_input(self, leftover: bytes) -> None:
         try:
             if leftover:
-                self._dispatch(self._yamux.receive_data(leftover, now=time.monotonic()))
+                self._dispatch(self._yamux.receive_data(leftover, now=time.monotonic()), True)
             self._receive_muxed()
         except ProtocolError as error:
             self.abort(f"protocol error: {error}")
 
-    def _dispatch(self, events) -> None:
+    def _dispatch(self, events, shareable: bool) -> None:
+        """Hand the yamux events to the streams; DATA is a view of the decrypted batch, kept as is
+        only when `shareable` and large (streams copy it once, when read)."""
         self.last_activity = asyncio.get_running_loop().time()
         streams = self.streams
         for event in events:
@@ -258,7 +285,8 @@ class Connection(asyncio.BufferedProtocol):
             if kind is yamux.DataReceived:
                 stream = streams.get(event.stream_id)
                 if stream is not None:
-                    stream._on_data(event.data)
+                    data = event.data
+                    stream._on_data(data if shareable and len(data) >= SHARED_PIECE_MIN else bytes(data))
             elif kind is yamux.StreamOpened:
                 stream = streams[event.stream_id] = Stream(self, event.stream_id)
                 if self._on_stream is not None:
@@ -285,14 +313,14 @@ class Connection(asyncio.BufferedProtocol):
         if not chunks or self._transport is None:
             return
         limit = NoiseTransport.MAX_PLAINTEXT
-        out, staging, noise = self._out, self._staging, self._noise
+        staging, noise = self._staging, self._noise
         out_end = staged = 0
-        out_limit = len(out) - (limit + 18)
+        out_limit = len(self._out) - (limit + 18)
         for chunk in chunks:
             view = memoryview(chunk)
             while view:
                 if not staged and len(view) >= limit:
-                    out_end = noise.seal_into(view[:limit], out, out_end)
+                    out_end = noise.seal_into(view[:limit], self._out, out_end)
                     view = view[limit:]
                 else:
                     take = min(limit - staged, len(view))
@@ -300,13 +328,13 @@ class Connection(asyncio.BufferedProtocol):
                     staged += take
                     view = view[take:]
                     if staged == limit:
-                        out_end = noise.seal_into(staging, out, out_end)
+                        out_end = noise.seal_into(staging, self._out, out_end)
                         staged = 0
                 if out_end > out_limit:
-                    out = self._write_out(out_end)
+                    self._write_out(out_end)
                     out_end = 0
         if staged:
-            out_end = noise.seal_into(memoryview(staging)[:staged], out, out_end)
+            out_end = noise.seal_into(staging[:staged], self._out, out_end)
         if out_end:
             self._write_out(out_end)
 
@@ -323,13 +351,12 @@ class Connection(asyncio.BufferedProtocol):
         if self.phase is Phase.MUXED:
             self._flush()
 
-    def _write_out(self, length: int) -> bytearray:
-        """Write out[:length]; return the buffer to use next (a fresh one if the socket kept ours)."""
-        transport = self._transport
-        transport.write(memoryview(self._out)[:length])
-        if transport.get_write_buffer_size():
-            self._out = bytearray(len(self._out))
-        return self._out
+    def _write_out(self, length: int) -> None:
+        """Write out[:length]; if the transport kept a view of the buffer, fill a fresh one next."""
+        with memoryview(self._out) as view:
+            self._transport.write(view[:length])
+        if sys.getrefcount(self._out) > 2:  # the attribute and the argument; more is the transport's view
+            self._out = mmap.mmap(-1, len(self._out))
 
     # --- used by streams and the host -----------------------------------------------------------
 

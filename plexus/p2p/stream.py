@@ -4,6 +4,7 @@ The connection owns the yamux core and calls `_on_data`, `_on_eof`, `_on_reset` 
 `_on_window` as frames arrive; the application only sees `read`/`readexactly`/`write`/`close`.
 Received data is held in a deque of chunks; its size is bounded by the receive window we
 advertise, because the peer may not send past it (yamux flow control does the back-pressure).
+Large chunks are views of the connection's decrypted batches: reads copy them out exactly once.
 
 Errors follow trio: StreamClosedError means *our* side closed the stream for writing or the
 connection was closed locally; StreamResetError means the peer (or a broken connection) killed it.
@@ -36,7 +37,7 @@ class Stream:
         self._connection = connection
         self.stream_id = stream_id
         self.protocol = protocol
-        self._chunks: deque[bytes] = deque()
+        self._chunks: deque[bytes | memoryview] = deque()
         self._offset = 0  # read position inside self._chunks[0]
         self._buffered = 0
         self._unread_bytes = 0
@@ -111,7 +112,7 @@ class Stream:
             return b""
         chunk, offset = self._chunks[0], self._offset
         if len(chunk) - offset >= n or len(self._chunks) == 1:
-            return chunk[offset : offset + n]
+            return bytes(chunk[offset : offset + n])
         head = bytearray(chunk[offset:])
         for chunk in itertools.islice(self._chunks, 1, None):
             head += chunk[: n - len(head)]
@@ -122,7 +123,7 @@ class Stream:
     def _take_all(self) -> bytes:
         chunks, offset = self._chunks, self._offset
         if len(chunks) == 1:
-            data = chunks[0] if offset == 0 else chunks[0][offset:]
+            data = bytes(chunks[0][offset:]) if offset or type(chunks[0]) is not bytes else chunks[0]
         else:
             first = chunks.popleft()
             data = b"".join([first[offset:] if offset else first, *chunks])
@@ -144,7 +145,7 @@ class Stream:
                 pieces.append(chunk[self._offset : self._offset + missing])
                 self._offset += missing
                 missing = 0
-        return self._consumed(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        return self._consumed(bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces))
 
     def _consumed(self, data: bytes) -> bytes:
         n = len(data)
@@ -207,7 +208,7 @@ class Stream:
 
     # --- called by the connection --------------------------------------------------------------
 
-    def _on_data(self, data: bytes) -> None:
+    def _on_data(self, data: bytes | memoryview) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
         self._readable.set()

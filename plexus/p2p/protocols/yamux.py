@@ -32,7 +32,8 @@ time comes from our own pings (pass `now` to `ping` and `receive_data`) or is se
 
 Parsing is incremental over a byte stream cut anywhere (Noise messages do not align with frames):
 the core keeps at most one partial 12-byte header; DATA payload is handed out as DataReceived events
-as soon as its bytes arrive (a frame cut in two yields two events), so nothing is buffered.
+as soon as its bytes arrive (a frame cut in two yields two events), so nothing is buffered. The
+payload is a memoryview slice of the input, not a copy: valid while the caller's buffer is.
 Sending never copies the payload: `data_to_send()` returns the header bytes and the caller's
 memoryview slices as separate chunks, in wire order.
 
@@ -96,10 +97,11 @@ class StreamOpened:
 
 @dataclass(frozen=True, slots=True)
 class DataReceived:
-    """Payload bytes for a stream; report them with `consumed()` once the application has read them."""
+    """Payload bytes for a stream (a view of the input to `receive_data`: copy it, or keep the
+    input unchanged, before reusing it); report them with `consumed()` once read."""
 
     stream_id: int
-    data: bytes
+    data: memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,7 +389,7 @@ class YamuxSession:
                 take = min(self._payload_left, end - pos)
                 stream = self._payload_stream
                 if stream is not None:
-                    events.append(DataReceived(stream.stream_id, bytes(view[pos : pos + take])))
+                    events.append(DataReceived(stream.stream_id, view[pos : pos + take]))
                     stream.unread += take
                 pos += take
                 self._payload_left -= take

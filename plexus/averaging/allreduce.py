@@ -458,10 +458,12 @@ class AllReduceRunner:
 
     def _contribute(self, sender: int, part: Part, values: torch.Tensor, weight: float, lossy: bool) -> None:
         state = self._states.get(part.index)
-        if state is None:
+        if state is None:  # the first contribution starts the sum: one pass, no zero-filled accumulator
             acc_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-            state = self._states[part.index] = _PartState(torch.zeros(part.numel, dtype=acc_dtype))
-        state.acc.add_(values, alpha=weight)
+            acc = torch.mul(values, weight) if values.dtype == acc_dtype else values.to(acc_dtype).mul_(weight)
+            state = self._states[part.index] = _PartState(acc)
+        else:
+            state.acc.add_(values, alpha=weight)
         state.total_weight += weight
         if lossy:
             state.decoded[sender] = values
@@ -520,7 +522,12 @@ class AllReduceRunner:
             for sender in recipients:
                 self._channels[sender].push((keep, None))
             return
-        average = state.acc.div_(state.total_weight)
+        target = self.partition.view(part) if self.is_sender and self.me in self._core.live else None
+        if target is not None and self.alpha == 1.0 and target.dtype == state.acc.dtype and target.device.type == "cpu":
+            average = torch.div(state.acc, state.total_weight, out=target)  # final for this round: shared as is
+            target = None
+        else:
+            average = state.acc.div_(state.total_weight)
         shared = None
         for sender in recipients:
             x_decoded = state.decoded.get(sender)
@@ -536,7 +543,7 @@ class AllReduceRunner:
                 name, compression, buffer = encode_tensor(delta, info, self.compression)
                 header = AnswerHeader(index, AnswerKind.DELTA, part.numel, name, compression)
                 self._channels[sender].push((header.encode(), buffer))
-        if self.is_sender and self.me in self._core.live:
+        if target is not None:
             self.partition.apply_average(part, average, self.alpha)
 
     # --- reducer side: one sender's stream ---------------------------------------------------------

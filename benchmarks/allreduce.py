@@ -20,7 +20,7 @@ round's wall time is its CPU time plus its time waiting for a core); matchmaking
 memory: the largest growth of a peer's resident set during an averaging round (VmHWM after
 resetting it, else ru_maxrss) over its footprint with the input tensor allocated, divided by the
 tensor size. The averager keeps its own copy and a working copy, so 2.0 is the design's floor; the
-rest is parts in flight (windows of 8 parts per sender, stream buffers), a fixed few tens of MiB.
+rest is parts in flight (windows of 4 parts per sender, stream buffers), a fixed few tens of MiB.
 `--bare` adds rows for the all-reduce engine alone (`AllReduceRunner` over the group the averager
 found, in place: no copies, no matchmaking). `--profile` prints peer 0's event-loop profile.
 8 peers x 400 MiB needs about 1.3 GiB per peer (input, the averager's two copies, buffers).
@@ -42,6 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
+
+from plexus.averaging.partition import DEFAULT_PART_SIZE_BYTES  # noqa: E402
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 COMPRESSIONS = ("none", "float16")
@@ -354,7 +356,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per row; the median is shown")
     parser.add_argument("--quick", action="store_true", help="2 and 4 peers, 40 MiB, 2 rounds")
     parser.add_argument("--bare", action="store_true", help="also time the bare AllReduceRunner")
-    parser.add_argument("--part-kib", type=int, default=512)
+    parser.add_argument("--part-kib", type=int, default=DEFAULT_PART_SIZE_BYTES >> 10)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per peer")
     parser.add_argument("--min-matchmaking-time", type=float, default=5.0)
     parser.add_argument("--request-timeout", type=float, default=3.0)

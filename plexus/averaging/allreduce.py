@@ -77,7 +77,7 @@ from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_fro
 logger = get_logger(__name__)
 
 DEFAULT_PROTOCOL_PREFIX = "/plexus/averaging"
-DEFAULT_WINDOW = 8
+DEFAULT_WINDOW = 4  # parts in flight per span and sender: 8 MiB each at the default part size
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 FRAME_OVERHEAD_BYTES = 4096  # codebooks, per-block scales: room above numel * 8 bytes
 

@@ -409,6 +409,34 @@ def test_garbage_from_one_sender_excludes_it_and_leaves_the_others_exact(garbage
     run(main(), 25)
 
 
+def test_an_answer_of_the_wrong_size_fails_that_span_and_writes_nothing():
+    """Averages are copied straight from the received chunks into the tensor: a reducer whose
+    answer is 4 bytes short must fail its span, leaving this peer's values there untouched."""
+
+    async def main():
+        async with Swarm(2) as swarm:
+            tensor_sets = [[torch.randn(4096, generator=torch.Generator().manual_seed(i))] for i in range(2)]
+            originals = [[t.clone() for t in ts] for ts in tensor_sets]
+            runners = swarm.runners(tensor_sets, [1, 1], part_size_bytes=4096)  # 2 parts of 1024 per span
+            liar, serve = runners[1], runners[1].serve_sender
+
+            async def short_first_answer(stream, first, frames):
+                count = 0
+                async for frame in serve(stream, first, frames):
+                    count += 1
+                    yield frame[:-4] if count == 2 else frame  # frame 2: the first answer's buffer
+
+            liar.serve_sender = short_first_answer
+            reports = await swarm.run(runners)
+            (failure,) = reports[0].failed_spans
+            assert failure.parts_received == 0 and "expected 4096" in failure.reason
+            assert torch.equal(tensor_sets[0][0][2048:], originals[0][0][2048:])
+            mean = (originals[0][0] + originals[1][0]) / 2
+            assert torch.allclose(tensor_sets[0][0][:2048], mean[:2048])
+
+    run(main(), 20)
+
+
 def test_configuration_errors_say_what_to_fix():
     async def main():
         async with Swarm(2) as swarm:

@@ -1,6 +1,7 @@
 """RPC over real hosts: unary and streaming calls, typed messages, errors, timeouts, limits."""
 
 import asyncio
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -94,6 +95,52 @@ def test_server_client_and_bidirectional_streaming():
         got = [r async for r in rpc.call_stream(a, b.peer_id, "/test/double/1.0.0", big_parts(), timeout=10,
                                                 max_message_size=4 << 20)]
         assert [len(r) for r in got] == [2 << 20] * 8 and [r[0] for r in got] == list(range(8))
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())
+
+
+def test_chunks_deliver_each_message_as_uncopied_pieces():
+    """A Chunks reader gets each message as buffers that join to exactly the bytes sent: small
+    frames, frames larger than the stream's receive window, and an error frame as RPCError."""
+
+    async def main():
+        a, b = await pair()
+        payloads = [b"x", os.urandom(300 << 10), os.urandom(3 << 20), b""]
+
+        async def send_all(request: bytes, context):
+            for payload in payloads:
+                yield payload
+            raise ValueError("that was all")
+
+        rpc.add_handler(b, "/test/chunks/1.0.0", send_all, stream_output=True, max_message_size=4 << 20)
+        got = []
+        with pytest.raises(rpc.RPCError, match="that was all"):
+            async for chunks in rpc.call_stream(a, b.peer_id, "/test/chunks/1.0.0", b"go", rpc.Chunks,
+                                                timeout=10, max_message_size=4 << 20):
+                assert isinstance(chunks, list)
+                got.append(b"".join(chunks))
+        assert got == payloads
+        await a.shutdown()
+        await b.shutdown()
+
+    run(main())
+
+
+def test_readexactly_chunks_reports_an_early_end():
+    async def main():
+        a, b = await pair()
+
+        async def short(stream):
+            await stream.write(b"only nine")
+            await stream.close()
+
+        b.set_stream_handler("/test/short/1.0.0", short)
+        stream = await a.new_stream(b.peer_id, "/test/short/1.0.0")
+        with pytest.raises(asyncio.IncompleteReadError) as raised:
+            await stream.readexactly_chunks(100)
+        assert raised.value.partial == b"only nine" and raised.value.expected == 100
         await a.shutdown()
         await b.shutdown()
 

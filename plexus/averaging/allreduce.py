@@ -383,16 +383,16 @@ class AllReduceRunner:
     async def _exchange(self, j: int) -> None:
         """Send span j to reducer j and apply its answers as they come."""
         peer, total, received = self.peers[j], self.partition.num_parts(j), 0
-        responses = rpc.call_stream(self.host, peer, self.protocol, self._part_frames(j), bytes,
+        responses = rpc.call_stream(self.host, peer, self.protocol, self._part_frames(j), rpc.Chunks,
                                     max_message_size=self.max_frame_bytes)
         try:
             while received < total:
                 part = self.partition.part(j, received)
                 async with asyncio.timeout(self.reducer_timeout):
-                    header = AnswerHeader.decode(await anext(responses))
+                    header = AnswerHeader.decode(b"".join(await anext(responses)))
                     self._check_answer(header, part)
-                    buffer = await anext(responses) if header.kind != AnswerKind.KEEP else None
-                self._apply_answer(part, header, buffer)
+                    chunks = await anext(responses) if header.kind != AnswerKind.KEEP else None
+                self._apply_answer(part, header, chunks)
                 received += 1
             async with asyncio.timeout(self.reducer_timeout):
                 if await anext(responses, None) is not None:
@@ -428,10 +428,22 @@ class AllReduceRunner:
             raise rpc.RPCProtocolError(f"answer for part {header.index} ({header.numel} x {header.dtype}) does not "
                                        f"match part {part.index} ({part.numel} x {expected})")
 
-    def _apply_answer(self, part: Part, header: AnswerHeader, buffer: Optional[bytes]) -> None:
+    def _apply_answer(self, part: Part, header: AnswerHeader, chunks: Optional[list]) -> None:
         if header.kind == AnswerKind.KEEP:
             return
-        values = decode_tensor(header.numel, header.dtype, header.compression, buffer)
+        target = self.partition.view(part)
+        if (header.kind == AnswerKind.AVERAGE and header.compression == CompressionType.NONE and self.alpha == 1.0
+                and target.device.type == "cpu"):  # the average itself: copy the received bytes straight in
+            destination = tensor_bytes_view(target)
+            if sum(map(len, chunks)) != len(destination):
+                raise rpc.RPCProtocolError(f"answer for part {part.index} has {sum(map(len, chunks))} bytes, "
+                                           f"expected {len(destination)}")
+            offset = 0
+            for chunk in chunks:
+                destination[offset : offset + len(chunk)] = chunk
+                offset += len(chunk)
+            return
+        values = decode_tensor(header.numel, header.dtype, header.compression, b"".join(chunks))
         if header.kind == AnswerKind.AVERAGE:
             self.partition.apply_average(part, values, self.alpha)
         else:

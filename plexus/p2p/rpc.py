@@ -8,8 +8,10 @@ and closes. Frames are `kind (1 byte) | uvarint length | payload`; kind 0 is a m
 an error carrying the handler's message as UTF-8, after which the stream ends.
 
 Messages are `bytes` or any class with `encode() -> bytes` and a `decode(bytes)` classmethod
-(see `plexus.p2p.messages.Message`). Every frame is bounded by `max_message_size`; a handler
-that raises, or a caller that sends garbage, costs that one stream and nothing else.
+(see `plexus.p2p.messages.Message`). A reader that copies large payloads to their destination
+itself asks for `Chunks`: each message then arrives as a list of buffers, the received chunks
+uncopied. Every frame is bounded by `max_message_size`; a handler that raises, or a caller that
+sends garbage, costs that one stream and nothing else.
 """
 
 import asyncio
@@ -51,12 +53,17 @@ class RPCContext:
         self.protocol: str = stream.protocol
 
 
+class Chunks:
+    """As a message type: deliver each message as a list of buffers (views of what was received,
+    not joined; `b"".join` them for bytes). Keep them only until copied: they pin receive buffers."""
+
+
 def _encode(message) -> bytes:
     return message if isinstance(message, (bytes, bytearray, memoryview)) else message.encode()
 
 
-def _decode(message_type, data: bytes):
-    if message_type is bytes:
+def _decode(message_type, data):
+    if message_type is bytes or message_type is Chunks:
         return data
     try:
         return message_type.decode(data)
@@ -77,8 +84,9 @@ async def write_frame(stream: Stream, message, kind: int = MESSAGE) -> None:
 MAX_FRAME_HEADER = 11  # the kind byte and a uvarint length of up to 10 bytes
 
 
-async def read_frame(stream: Stream, max_size: int) -> tuple[int, bytes] | None:
-    """Read one frame; None at a clean end of stream."""
+async def read_frame(stream: Stream, max_size: int, chunks: bool = False) -> tuple[int, Any] | None:
+    """Read one frame; None at a clean end of stream. With `chunks`, a message's payload is a list
+    of buffers (see Chunks) and an error's is still bytes."""
     head = stream._peek(MAX_FRAME_HEADER)
     if len(head) >= 2 and head[0] in (MESSAGE, ERROR):  # fast path: a well-formed header is buffered
         try:
@@ -88,7 +96,7 @@ async def read_frame(stream: Stream, max_size: int) -> tuple[int, bytes] | None:
         if length is not None and length <= (max_size if head[0] == MESSAGE else MAX_ERROR_SIZE) \
                 and length <= SMALL_FRAME:  # one read of header and body, one copy of the body
             frame = await stream.readexactly(end + length)
-            return head[0], frame[end:]
+            return head[0], [frame[end:]] if chunks and head[0] == MESSAGE else frame[end:]
     kind = await stream.read(1)
     if not kind:
         return None
@@ -100,11 +108,13 @@ async def read_frame(stream: Stream, max_size: int) -> tuple[int, bytes] | None:
     limit = max_size if kind[0] == MESSAGE else MAX_ERROR_SIZE
     if length > limit:
         raise RPCProtocolError(f"a {length}-byte RPC message on {stream.protocol} exceeds the {limit}-byte limit")
+    if chunks and kind[0] == MESSAGE:
+        return kind[0], await stream.readexactly_chunks(length)
     return kind[0], await stream.readexactly(length) if length else b""
 
 
 async def _read_messages(stream: Stream, message_type, max_size: int, peer=None) -> AsyncIterator:
-    while (frame := await read_frame(stream, max_size)) is not None:
+    while (frame := await read_frame(stream, max_size, message_type is Chunks)) is not None:
         kind, payload = frame
         if kind == ERROR:
             raise RPCError(payload.decode(errors="replace"), peer, stream.protocol)

@@ -64,22 +64,40 @@ class Stream:
 
     async def read(self, max_bytes: int = -1) -> bytes:
         """Return up to `max_bytes` (all buffered if -1) bytes, waiting for some; b"" at EOF."""
+        if not await self._data_buffered():
+            return b""
+        if max_bytes < 0 or max_bytes >= self._buffered:
+            return self._take_all()
+        return self._take(max_bytes)
+
+    async def _data_buffered(self) -> bool:
+        """Wait until data is buffered (True) or the peer ended the stream (False)."""
         while True:
             if self._negotiation is not None and self._buffered:
                 self._finish_negotiation()
             if self._buffered and self._negotiation is None:
-                break
+                return True
             if self._reset_reason is not None:
                 raise StreamResetError(self._reset_reason)
             if self._eof:
                 if self._negotiation is not None:
                     raise StreamResetError(f"peer closed the stream before accepting {self._negotiation}")
-                return b""
+                return False
             self._readable.clear()
             await self._readable.wait()
-        if max_bytes < 0 or max_bytes >= self._buffered:
-            return self._take_all()
-        return self._take(max_bytes)
+
+    async def readexactly_chunks(self, n: int) -> list:
+        """Exactly n bytes as the received chunks themselves (views, not joined): for a reader that
+        copies them straight to where they belong. Raises asyncio.IncompleteReadError at an early EOF."""
+        chunks, missing = [], n
+        while missing:
+            if not await self._data_buffered():
+                raise asyncio.IncompleteReadError(b"".join(chunks), n)
+            taken = min(missing, self._buffered)
+            chunks += self._take_views(taken)
+            self._consumed(taken)
+            missing -= taken
+        return chunks
 
     async def readexactly(self, n: int) -> bytes:
         """Read exactly n bytes; raises asyncio.IncompleteReadError at an early EOF."""
@@ -129,32 +147,38 @@ class Stream:
             data = b"".join([first[offset:] if offset else first, *chunks])
         chunks.clear()
         self._offset = 0
-        return self._consumed(data)
+        self._consumed(len(data))
+        return data
 
     def _take(self, n: int) -> bytes:
+        pieces = self._take_views(n)
+        self._consumed(n)
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
+
+    def _take_views(self, n: int) -> list:
+        """Remove n buffered bytes (n <= self._buffered) as slices of the chunks, copying nothing."""
         pieces, missing = [], n
         while missing:
             chunk = self._chunks[0]
             available = len(chunk) - self._offset
             if available <= missing:
-                pieces.append(chunk[self._offset :] if self._offset else chunk)
+                pieces.append(memoryview(chunk)[self._offset :] if self._offset else chunk)
                 self._chunks.popleft()
                 self._offset = 0
                 missing -= available
             else:
-                pieces.append(chunk[self._offset : self._offset + missing])
+                pieces.append(memoryview(chunk)[self._offset : self._offset + missing])
                 self._offset += missing
                 missing = 0
-        return self._consumed(bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces))
+        return pieces
 
-    def _consumed(self, data: bytes) -> bytes:
-        n = len(data)
+    def _consumed(self, n: int) -> None:
+        """Account for n bytes handed to the reader (window updates for what the peer sent)."""
         self._buffered -= n
         returned = min(n, self._unread_bytes)  # bytes put back by _unread were counted already
         self._unread_bytes -= returned
         if n > returned:
             self._connection._stream_consumed(self.stream_id, n - returned)
-        return data
 
     def _unread(self, data: bytes) -> None:
         """Put bytes that a protocol core read past its end back in front of the stream."""

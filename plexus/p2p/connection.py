@@ -14,9 +14,10 @@ Noise messages is decrypted into a plaintext buffer from a small per-connection 
 keep memoryviews of their large pieces (SHARED_PIECE_MIN or more); a buffer goes back to the pool
 when no stream holds a view of it (its reference count says so). Small pieces are copied at once,
 so a few idle bytes never pin a whole buffer, and when every pooled buffer is held the batch goes
-to a scratch buffer and is copied out, so memory stays bounded by MAX_PLAINTEXT_BUFFERS. The output
-buffer is reused after each write unless the transport kept a view of it (asyncio does on Python
-3.12+, until the bytes are sent; earlier versions copy what the socket did not take).
+to a scratch buffer and is copied out, so memory stays bounded by MAX_PLAINTEXT_BUFFERS. Output
+buffers come from a second pool: one is reused after each write unless the transport kept a view
+of it (asyncio does on Python 3.12+, until the bytes are sent; earlier versions copy what the
+socket did not take).
 
 Coalescing. Control frames (stream opens, window updates, FIN/RST) are only queued, with one
 flush scheduled by `call_soon` for the next loop iteration. A write flushes at once (zero-copy,
@@ -54,6 +55,7 @@ NOISE_PROTOCOL = "/noise"
 YAMUX_PROTOCOL = "/yamux/1.0.0"
 RECEIVE_BUFFER_SIZE = 1 << 20
 MAX_PLAINTEXT_BUFFERS = 16  # per connection: RECEIVE_BUFFER_SIZE each, held by unread stream data
+MAX_OUTPUT_BUFFERS = 32  # per connection, ~256 KiB each, held by the transport until sent (Python 3.12+)
 SHARED_PIECE_MIN = 64 << 10  # smaller received pieces are copied at once instead of pinning a buffer
 MIN_FREE_SPACE = 128 << 10
 NOISE_MESSAGES_PER_WRITE = 4
@@ -100,7 +102,8 @@ class Connection(asyncio.BufferedProtocol):
         self._eof_received = False
         self._noise: NoiseTransport | None = None
         self._yamux: yamux.YamuxSession | None = None
-        self._out = mmap.mmap(-1, NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18))
+        self._outputs = BufferPool(NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18), MAX_OUTPUT_BUFFERS)
+        self._out = self._outputs.get()
         self._staging = memory[RECEIVE_BUFFER_SIZE:]
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -352,11 +355,13 @@ class Connection(asyncio.BufferedProtocol):
             self._flush()
 
     def _write_out(self, length: int) -> None:
-        """Write out[:length]; if the transport kept a view of the buffer, fill a fresh one next."""
+        """Write out[:length]; if the transport kept a view of the buffer, fill another one next (when
+        all are kept, hand the transport a copy instead)."""
         with memoryview(self._out) as view:
-            self._transport.write(view[:length])
-        if sys.getrefcount(self._out) > 2:  # the attribute and the argument; more is the transport's view
-            self._out = mmap.mmap(-1, len(self._out))
+            spare = self._outputs.get()
+            self._transport.write(view[:length] if spare is not None else bytes(view[:length]))
+        if sys.getrefcount(self._out) > 3:  # the pool, the attribute and the argument; more: the transport's
+            self._out = spare
 
     # --- used by streams and the host -----------------------------------------------------------
 

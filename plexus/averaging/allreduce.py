@@ -77,7 +77,7 @@ from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_fro
 logger = get_logger(__name__)
 
 DEFAULT_PROTOCOL_PREFIX = "/plexus/averaging"
-DEFAULT_WINDOW = 4  # parts in flight per span and sender: 8 MiB each at the default part size
+DEFAULT_WINDOW = 4  # parts in flight per span and sender: 4 MiB each at the default part size
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 FRAME_OVERHEAD_BYTES = 4096  # codebooks, per-block scales: room above numel * 8 bytes
 
@@ -215,7 +215,9 @@ class ReducerCore:
 class _PartState:
     acc: torch.Tensor
     total_weight: float = 0.0
-    decoded: dict[int, torch.Tensor] = field(default_factory=dict)  # lossy senders' x~, for deltas
+    # lossy senders' parts as received (header, buffer): x~ is decoded again for the delta answer,
+    # which keeps 2 bytes per element (float16) in flight instead of 4
+    received: dict[int, tuple] = field(default_factory=dict)
 
 
 class _Channel:
@@ -465,10 +467,11 @@ class AllReduceRunner:
             if self.me not in self._core.live:
                 return
             part = self.partition.part(self.me, index)
-            self._contribute(self.me, part, self.partition.view(part).cpu(), self.weight, lossy=False)
+            self._contribute(self.me, part, self.partition.view(part).cpu(), self.weight)
             await asyncio.sleep(0)  # let the network make progress between parts
 
-    def _contribute(self, sender: int, part: Part, values: torch.Tensor, weight: float, lossy: bool) -> None:
+    def _contribute(self, sender: int, part: Part, values: torch.Tensor, weight: float,
+                    lossy_wire: Optional[tuple] = None) -> None:
         state = self._states.get(part.index)
         if state is None:  # the first contribution starts the sum: one pass, no zero-filled accumulator
             acc_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
@@ -477,8 +480,8 @@ class AllReduceRunner:
         else:
             state.acc.add_(values, alpha=weight)
         state.total_weight += weight
-        if lossy:
-            state.decoded[sender] = values
+        if lossy_wire is not None:
+            state.received[sender] = lossy_wire
         self._on_complete(self._core.contribute(sender, part.index, asyncio.get_running_loop().time()))
 
     def _exclude(self, sender: int, reason: str) -> None:
@@ -494,7 +497,7 @@ class AllReduceRunner:
             if channel.reader is not None and channel.reader is not asyncio.current_task():
                 channel.reader.cancel()
         for state in self._states.values():
-            state.decoded.pop(sender, None)
+            state.received.pop(sender, None)
         self._on_complete(completed)
 
     async def _watchdog(self) -> None:
@@ -542,14 +545,15 @@ class AllReduceRunner:
             average = state.acc.div_(state.total_weight)
         shared = None
         for sender in recipients:
-            x_decoded = state.decoded.get(sender)
-            if x_decoded is None:
+            received = state.received.get(sender)
+            if received is None:
                 if shared is None:
                     wire = average.to(dtype)
                     header = AnswerHeader(index, AnswerKind.AVERAGE, part.numel, dtype_name(dtype), 0)
                     shared = (header.encode(), tensor_bytes_view(wire))
                 self._channels[sender].push(shared)
             else:
+                x_decoded = decode_tensor(received[0].numel, received[0].dtype, received[0].compression, received[1])
                 delta = (average - x_decoded).to(dtype)
                 info = self.partition.compression_info(part)
                 name, compression, buffer = encode_tensor(delta, info, self.compression)
@@ -626,7 +630,8 @@ class AllReduceRunner:
                 values = decode_tensor(header.numel, header.dtype, header.compression, buffer)
                 if self.reject_nonfinite and not bool(torch.isfinite(values).all()):
                     raise ValueError(f"part {part.index} holds NaN or inf values")
-                self._contribute(sender, part, values, weight, lossy=header.compression != CompressionType.NONE)
+                lossy = header.compression != CompressionType.NONE
+                self._contribute(sender, part, values, weight, (header, buffer) if lossy else None)
                 received, header = received + 1, None
         except asyncio.CancelledError:
             raise

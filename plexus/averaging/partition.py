@@ -43,7 +43,7 @@ import torch
 from ..compression import CompressionBase, CompressionInfo, NoCompression
 from .load_balancing import apportion
 
-DEFAULT_PART_SIZE_BYTES = 2**21  # 2 MiB on the wire per part: ~9% less CPU per round than 512 KiB (per-part work)
+DEFAULT_PART_SIZE_BYTES = 2**20  # 1 MiB on the wire per part: ~10% less CPU per round than 512 KiB (per-part work)
 
 
 @dataclass(frozen=True)

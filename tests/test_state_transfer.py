@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from plexus.averaging import state_transfer
 from plexus.averaging.state_messages import (
     HASH_SIZE,
     STATE_PROTOCOL,
@@ -20,15 +19,15 @@ from plexus.averaging.state_messages import (
     StateRequest,
     TensorHeader,
 )
-from plexus.averaging.state_transfer import (
+from plexus.averaging.state_download import (
     StateDownloadError,
     StateDownloadTimeout,
-    StateSharing,
     _ChunkBoard,
     find_donors,
     load_state_from_peers,
     parse_declaration,
 )
+from plexus.averaging.state_sharing import StateSharing
 from plexus.compression import Float16Compression
 from plexus.dht.node import DHTNode
 from plexus.dht.p2p_transport import HostDHTTransport

@@ -32,7 +32,8 @@ from .allreduce import DEFAULT_PART_SIZE_BYTES, AllReduceRouter, AllReduceRunner
 from .control import AveragingStage, StepControl
 from .load_balancing import load_balance_peers
 from .matchmaking import Matchmaking
-from .state_transfer import StateSharing, load_state_from_peers
+from .state_download import load_state_from_peers
+from .state_sharing import StateSharing
 
 logger = get_logger(__name__)
 

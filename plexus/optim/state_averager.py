@@ -67,7 +67,7 @@ import torch
 
 from ..averaging.averager import AveragingError, DecentralizedAverager
 from ..averaging.control import AveragingStage, StepControl
-from ..averaging.state_transfer import StateDownloadError
+from ..averaging.state_download import StateDownloadError
 from ..compression import CompressionInfo, TensorRole
 from ..utils.logging import get_logger
 from ..utils.serializer import MSGPackSerializer, SerializationError

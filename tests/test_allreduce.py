@@ -7,14 +7,9 @@ import time
 import pytest
 import torch
 
-from plexus.averaging.allreduce import (
-    AllReduceError,
-    AllReduceRouter,
-    AllReduceRunner,
-    AveragingMode,
-    ReducerCore,
-)
+from plexus.averaging.allreduce import AllReduceError, AllReduceRouter, AllReduceRunner, AveragingMode
 from plexus.averaging.messages import PartHeader
+from plexus.averaging.reducer_core import ReducerCore
 from plexus.compression import Float16Compression
 from plexus.p2p.host import Host
 from plexus.p2p.identity import PeerID

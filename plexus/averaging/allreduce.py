@@ -30,10 +30,9 @@ Fault tolerance (the per-part rule):
     ends either averaged (identical on all peers that have it) or local, and within a span the
     averaged parts are a prefix.
   * Reducer side, `sender_timeout`: a sender that has not opened its stream within sender_timeout
-    of the round's start, or owes the reducer its next part for sender_timeout (the clock runs
-    only while the reducer is ready for that part, not while the sender is held back by the
-    window), is excluded from the rest of the round. So is a sender that sends garbage (a
-    malformed header or buffer, a part of the wrong index, size or dtype, NaN/inf when
+    of the round's start, or owes the reducer its next part for sender_timeout (time held back by
+    the window does not count), is excluded from the rest of the round. So is a sender that sends
+    garbage (a malformed header or buffer, a part of the wrong index, size or dtype, NaN/inf when
     `reject_nonfinite`), or whose stream breaks. Its contributions to parts that are not yet
     complete stay in (they are valid data; the part's average is over its contributors,
     including it); later parts are averaged over the others. The excluded sender gets an error
@@ -42,14 +41,14 @@ Fault tolerance (the per-part rule):
     the next part within reducer_timeout, refuses the stream, or whose stream breaks, fails its
     span: the parts already answered stay applied, the rest keep local values, and `run()` reports
     the span in `AllReduceReport.failed_spans`.
-  * Memory is bounded: a reducer reads a sender's part k only when k < frontier + window (the
-    frontier is the first part some live sender still owes) and when that sender has fewer than
-    `window` answers waiting to be written to it.
+  * Memory is bounded: a reducer reads a sender's next part only inside the window of parts past
+    the completion frontier, and only while that sender has fewer than `window` answers waiting
+    to be written to it.
 
-The bookkeeping (who has sent what, who is excluded, which parts are complete, whose clock runs)
-is `ReducerCore`, a plain class with time as a parameter; the asyncio driver is `AllReduceRunner`
-and the stream router is `AllReduceRouter`. Left out: retries (the averager retries a round),
-checking the group's schema (the averager's matchmaking does that).
+The bookkeeping (who has sent what, who is excluded, the completion frontier and window, whose
+clock runs) is `reducer_core.ReducerCore`, sans-I/O, described there; this module is the asyncio
+driver, `AllReduceRunner`, and the stream router, `AllReduceRouter`. Left out: retries (the
+averager retries a round), checking the group's schema (the averager's matchmaking does that).
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ import contextlib
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 import torch
 
@@ -73,6 +72,7 @@ from ..p2p.messages import MessageError
 from ..utils.logging import get_logger
 from .messages import AnswerHeader, AnswerKind, PartHeader, decode_tensor, encode_tensor
 from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_from_fractions
+from .reducer_core import ReducerCore
 
 logger = get_logger(__name__)
 
@@ -121,91 +121,6 @@ class AllReduceReport:
     @property
     def complete(self) -> bool:
         return not self.failed_spans and not self.excluded_senders
-
-
-# --- bookkeeping core (no I/O, time is a parameter) ---------------------------------------------
-
-
-class ReducerCore:
-    """Who has contributed which part of one reducer's span, who is excluded, what is complete.
-
-    Senders contribute strictly in order 0, 1, ..., so the parts that every live sender has
-    contributed are exactly those below `frontier = min(next_part[s] for live s)`: a part is
-    complete once the frontier passes it. Excluding a sender can move the frontier. A sender may be
-    at most `window` parts ahead of the frontier. A live sender that owes a part it may send has a
-    stall clock started when it last contributed or was last let through the window; `expired(now)`
-    names those whose clock passed `sender_timeout`. Senders in `exempt` (the local one) have none.
-    """
-
-    def __init__(self, num_parts: int, senders: Iterable[int], *, window: int, sender_timeout: float,
-                 now: float, exempt: Iterable[int] = ()):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.num_parts, self.window, self.sender_timeout = num_parts, window, sender_timeout
-        self.next_part = {sender: 0 for sender in senders}
-        self.live = set(self.next_part)
-        self.excluded: dict[int, str] = {}
-        self.exempt = frozenset(exempt)
-        self._since = {sender: now for sender in self.next_part}
-        self.frontier = 0
-        self._advance(now)
-
-    @property
-    def done(self) -> bool:
-        return self.frontier >= self.num_parts
-
-    def allowed(self, sender: int) -> bool:
-        """Whether `sender` may contribute its next part now."""
-        part = self.next_part[sender]
-        return sender in self.live and part < self.num_parts and part < self.frontier + self.window
-
-    def contribute(self, sender: int, index: int, now: float) -> range:
-        """Record part `index` from `sender`; returns the parts this completes.
-
-        Raises ValueError when the sender is excluded, out of order or beyond the window (the
-        driver turns that into excluding the sender)."""
-        if sender not in self.live:
-            raise ValueError(f"sender {sender} is not a live sender of this span")
-        expected = self.next_part[sender]
-        if index != expected:
-            raise ValueError(f"expected part {expected}, got part {index}")
-        if not self.allowed(sender):
-            raise ValueError(f"part {index} is beyond the window (frontier {self.frontier}, window {self.window})")
-        self.next_part[sender] = expected + 1
-        self._since[sender] = now
-        return self._advance(now)
-
-    def exclude(self, sender: int, reason: str, now: float) -> range:
-        """Drop `sender` for the rest of the round; returns the parts this completes."""
-        if sender not in self.live:
-            return range(0)
-        self.live.discard(sender)
-        self.excluded[sender] = reason
-        return self._advance(now)
-
-    def _advance(self, now: float) -> range:
-        old = self.frontier
-        new = min((self.next_part[s] for s in self.live), default=self.num_parts)
-        new = min(new, self.num_parts)
-        if new > old:
-            for sender in self.live:  # senders held at the old window edge start a fresh clock
-                if self.next_part[sender] >= old + self.window:
-                    self._since[sender] = now
-            self.frontier = new
-        return range(old, new)
-
-    def _owing(self) -> Iterable[int]:
-        return (s for s in self.live if s not in self.exempt and self.allowed(s))
-
-    def next_deadline(self) -> Optional[float]:
-        return min((self._since[s] + self.sender_timeout for s in self._owing()), default=None)
-
-    def expired(self, now: float) -> list[int]:
-        return sorted(s for s in self._owing() if now >= self._since[s] + self.sender_timeout)
-
-    def __repr__(self) -> str:
-        return (f"<ReducerCore {self.frontier}/{self.num_parts} parts, live {sorted(self.live)}, "
-                f"excluded {sorted(self.excluded)}>")
 
 
 # --- the driver ---------------------------------------------------------------------------------

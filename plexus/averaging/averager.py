@@ -4,7 +4,7 @@ One step is: matchmaking through the DHT (`matchmaking.py`) forms a group, the m
 data decide how the vector is split (`load_balancing.py`, by bandwidth), and a butterfly
 all-reduce (`allreduce.py`) averages it. The all-reduce works on a private copy of the tensors,
 taken and written back under the tensors' lock in two short critical sections, so the lock is
-never held across a round: state downloads (`state_transfer.py`) and the training thread see
+never held across a round: state downloads (`state_sharing.py`) and the training thread see
 either the state before a round or the state after it, never a half-averaged mix.
 
 Everything runs on the DHT's event loop; `step`, `load_state_from_peers` and friends are thread-

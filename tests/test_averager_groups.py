@@ -9,8 +9,7 @@ import time
 import pytest
 import torch
 
-from plexus.averaging.allreduce import AllReduceError
-from plexus.averaging.averager import DecentralizedAverager
+from plexus.averaging.averager import AveragingError, DecentralizedAverager
 from plexus.averaging.control import AveragingStage
 from tests.test_averager import close, make_swarm
 
@@ -81,15 +80,24 @@ def test_weight_for_group_sets_the_weights_from_the_gathered_metadata():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("bad", [-1.0, math.nan])
-def test_bad_weight_from_the_callback_fails_that_step_at_once(bad):
-    """The averager passes the callback's weight on unchecked; the all-reduce runner refuses it, so
-    the faulty peer's step fails at once, and the rest of the group is not left hanging."""
+def raise_value_error(gathered, weight):
+    raise ValueError("no weight for this group")
+
+
+@pytest.mark.parametrize("callback, error", [
+    (lambda gathered, weight: -1.0, "weight_for_group returned -1.0; a weight must be finite and >= 0"),
+    (lambda gathered, weight: math.nan, "weight_for_group returned nan; a weight must be finite and >= 0"),
+    (raise_value_error, "weight_for_group raised ValueError..no weight for this group"),  # not retried
+])
+def test_bad_weight_from_the_callback_fails_that_step_at_once(callback, error):
+    """A weight the callback makes up that no average can use fails that peer's step at once with
+    an error naming the callback (no retry: it is the caller's bug), and the rest of the group is
+    not left hanging."""
     dhts, averagers = swarm_of_averagers(3, "bad", target_group_size=3, sender_timeout=1.0, reducer_timeout=2.0)
     try:
-        controls = [a.step(wait=False, timeout=25, weight_for_group=(lambda gathered, weight: bad) if i == 0 else None)
+        controls = [a.step(wait=False, timeout=25, weight_for_group=callback if i == 0 else None)
                     for i, a in enumerate(averagers)]
-        with pytest.raises(AllReduceError, match="weight must be finite and >= 0"):
+        with pytest.raises(AveragingError, match=error):
             controls[0].result(timeout=20)
         for control in controls[1:]:  # they exclude peer 0 after reducer_timeout; its span keeps local values
             assert len(control.result(timeout=30)) == 3

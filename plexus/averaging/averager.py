@@ -14,6 +14,7 @@ safe, blocking calls (or return futures), as in hivemind.
 import asyncio
 import contextlib
 import hashlib
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -275,7 +276,13 @@ class DecentralizedAverager:
                 raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
             if AveragingMode(member[1]) != AveragingMode.AUX:
                 contributing[peer] = MSGPackSerializer.loads(member[2])
-        return float(control.weight_for_group(contributing, control.weight))
+        try:  # the caller's code: its failure is not a network fault to retry
+            weight = float(control.weight_for_group(contributing, control.weight))
+        except Exception as error:
+            raise AveragingError(f"weight_for_group raised {error!r}") from error
+        if not (math.isfinite(weight) and weight >= 0):
+            raise AveragingError(f"weight_for_group returned {weight!r}; a weight must be finite and >= 0")
+        return weight
 
     async def _run_allreduce(self, group, weight: float) -> dict[PeerID, Any]:
         members = [MSGPackSerializer.loads(data) for data in group.gathered]

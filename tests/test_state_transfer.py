@@ -3,9 +3,11 @@
 import asyncio
 import contextlib
 import hashlib
+import random
 import threading
 import time
 
+import msgpack
 import pytest
 import torch
 
@@ -563,3 +565,59 @@ def test_chunk_board_dedups_claims_and_releases():
     board.deliver(digests[0], b"a")
     board.deliver(digests[1], b"b")
     assert board.complete
+
+
+def test_newcomer_takes_the_newest_state_even_when_its_declaration_lags():
+    """Right after a step the DHT may still show the old epoch for every donor: what each donor's
+    manifest states decides, whatever the random order among equal declarations."""
+    async def main():
+        async with swarm(3) as (a, b, newcomer):
+            old, new = make_state(0), make_state(1)
+            behind = await share(a, old, priority=1)
+            ahead = await share(b, new, priority=1)
+
+            async def held_back(timeout=None):
+                return None
+
+            ahead._declare = held_back  # its re-declaration has not happened yet
+            await asyncio.to_thread(setattr, ahead, "priority", 2)
+            declared = {d.peer_id: d.priority for d in await find_donors(newcomer.node, PREFIX)}
+            assert declared == {a.host.peer_id: 1.0, b.host.peer_id: 1.0}
+            firsts = set()
+            for seed in range(4):
+                firsts.add((await find_donors(newcomer.node, PREFIX, rng=random.Random(seed)))[0].peer_id)
+                metadata, loaded = await load(newcomer, rng=random.Random(seed))
+                assert metadata == new[0]
+                assert_same(new[1], loaded)
+            assert a.host.peer_id in firsts, "the stale donor never came first: the case was not exercised"
+            # min_priority is judged by the stated priority, not by the lagging declaration
+            metadata, _ = await load(newcomer, min_priority=2)
+            assert metadata == new[0]
+            await behind.shutdown()
+            await ahead.shutdown()
+
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_min_priority_above_every_donor_fails_clearly():
+    async def main():
+        async with swarm(3) as (a, b, newcomer):
+            first = await share(a, make_state(0), priority=1)
+            second = await share(b, make_state(1), priority=2)
+            with pytest.raises(StateDownloadError, match=r"priority 5(\.0)? or newer.*newest .* is 2(\.0)?"):
+                await load(newcomer, min_priority=5, max_attempts=2)
+            assert first.chunks_served == second.chunks_served == 0, "no chunk of an old state is fetched"
+            await first.shutdown()
+            await second.shutdown()
+
+    run(main())
+
+
+def test_manifest_without_priority_from_an_older_donor_decodes():
+    manifest = StateManifest(b"\x01" * 16, b"\x80", (), 1 << 12, b"", priority=3.0)
+    assert StateManifest.decode(manifest.encode()).priority == 3.0
+    older = msgpack.packb(msgpack.unpackb(manifest.encode())[:-1])
+    assert StateManifest.decode(older).priority is None
+    with pytest.raises(ValueError):
+        StateManifest(b"\x01" * 16, b"\x80", (), 1 << 12, b"", priority=float("inf"))

@@ -3,18 +3,22 @@
 Theory of operation
 -------------------
 `load_state_from_peers` reads the donors' declarations (``{prefix}.all_averagers``, written by
-`state_sharing.py`) with latest=True, orders donors by priority (ties at random), asks up to
-`max_donors` of them for manifests at once and takes the manifest of the best one that answers
-as the reference. Every chunk is then a hash to fetch: a donor may serve it when its own
-manifest lists the same hash (so donors with identical state all serve, and identical chunks,
-e.g. zeros, are fetched once). One worker per donor claims batches of chunks, verifies each
-against its SHA-256 and hands failed or corrupt batches back to the pool; a donor that fails
-is not asked again in this call. An attempt ends when every chunk is in or when no donor can
-serve what is missing; the next attempt re-reads the DHT and keeps every chunk already
-verified. Everything runs under one deadline.
+`state_sharing.py`) with latest=True, orders donors by declared priority (ties at random) and
+asks the first `max_donors` for manifests at once. A declaration may lag a step behind the
+donor's state, so the reference is the manifest that *states* the highest priority among those
+that answer within one stall timeout (sooner once one reaches `min_priority` and no pending donor
+declared more); a state older than `min_priority` is never adopted. Every chunk is then a hash
+to fetch: a donor may serve it when its own manifest lists the same hash (so donors with
+identical state all serve, older ones included, and identical chunks, e.g. zeros, are fetched
+once). One worker per donor claims batches of chunks, verifies each against its SHA-256 and
+hands failed or corrupt batches back to the pool; a donor that fails is not asked again in this
+call. An attempt ends when every chunk is in or when no donor can serve what is missing; the
+next attempt re-reads the DHT and keeps every chunk already verified. Everything runs under one
+deadline.
 
 Results: (metadata, tensors); None when no donor declared itself (or all said they no longer
-share); `StateDownloadError` naming every donor tried and why it failed otherwise.
+share); `StateDownloadError` naming every donor tried and why it failed otherwise, or saying
+that no donor has reached `min_priority` yet.
 """
 
 from __future__ import annotations
@@ -201,6 +205,11 @@ def _assemble(manifest: StateManifest, have: dict[bytes, bytes]) -> list[torch.T
     return tensors
 
 
+def _stated_priority(donor: Donor, manifest: StateManifest) -> float:
+    """What the donor's snapshot says about itself; the DHT declaration only for donors that predate that."""
+    return donor.priority if manifest.priority is None else manifest.priority
+
+
 def _describe(error: BaseException, stall_timeout: float) -> str:
     if isinstance(error, TimeoutError):
         return f"made no progress for {stall_timeout} s"
@@ -213,9 +222,11 @@ class _Download:
     """One `load_state_from_peers` call: its deadline, the chunks verified so far, and who failed."""
 
     def __init__(self, host: Host, prefix: str, deadline: float, stall_timeout: float, max_donors: int,
-                 batch_chunks: int, rng: random.Random):
+                 batch_chunks: int, rng: random.Random, min_priority: float | None = None):
         self.host, self.prefix, self.deadline, self.stall_timeout = host, prefix, deadline, stall_timeout
         self.max_donors, self.batch_chunks, self.rng = max_donors, batch_chunks, rng
+        self.min_priority = min_priority
+        self.newest_refused: float | None = None  # the newest state refused as too old
         self.loop = asyncio.get_running_loop()
         self.have: dict[bytes, bytes] = {}  # verified chunks by SHA-256, kept across attempts
         self.failures: dict[PeerID, str] = {}  # donors not asked again, and why
@@ -337,28 +348,56 @@ class _Download:
                 self._fail(donor, error)
                 return
 
+    async def _first_manifests(self, manifests: dict[asyncio.Task, Donor]) -> list[tuple[Donor, StateManifest, Any]]:
+        """The manifests that arrive within one stall timeout, best declared donor first.
+
+        Returns early once one states at least `min_priority` and every donor still pending
+        declared no more (without `min_priority` it waits for all: declarations may lag a step, so a
+        donor that declared the same priority may have moved on). Those still pending stay in
+        `manifests`, to become helpers when they answer."""
+        answered: list[tuple[Donor, StateManifest, Any]] = []
+        wait_until = self.loop.time() + self._step_timeout()
+        while manifests and (timeout := wait_until - self.loop.time()) > 0:
+            done, _ = await asyncio.wait(manifests, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for task in [task for task in manifests if task in done]:  # keeps the donors' order
+                donor = manifests.pop(task)
+                try:
+                    answered.append((donor, *task.result()))
+                except Exception as error:
+                    self._fail(donor, error)
+            if answered and self.min_priority is not None:
+                best = max(_stated_priority(donor, manifest) for donor, manifest, _ in answered)
+                if best >= max([self.min_priority, *(donor.priority for donor in manifests.values())]):
+                    break
+        return answered
+
     async def attempt(self, donors: list[Donor]) -> tuple[Any, list[torch.Tensor]] | None:
-        """Download from the best donors that answer; None if they could not deliver every chunk."""
+        """Download the newest state the best donors state in their manifests; None if none is
+        new enough (`min_priority`) or they could not deliver every chunk."""
         candidates = [d for d in donors if self.may_ask(d)]
         manifests = {self.loop.create_task(self.fetch_manifest(d)): d for d in candidates[: self.max_donors]}
         workers: set[asyncio.Task] = set()
         try:
-            reference = None
-            for task, donor in list(manifests.items()):  # the best donor that answers is the reference
-                del manifests[task]
-                try:
-                    reference = (donor, *await task)
-                    break
-                except Exception as error:
-                    self._fail(donor, error)
-            if reference is None:
+            answered = await self._first_manifests(manifests)
+            if not answered:
                 return None
-            donor, manifest, metadata = reference
+            # the reference is the newest state, by what each donor states now, not what it declared
+            donor, manifest, metadata = max(answered, key=lambda item: _stated_priority(*item[:2]))
+            priority = _stated_priority(donor, manifest)
+            if self.min_priority is not None and priority < self.min_priority:
+                for other, other_manifest, _ in answered:
+                    self.notes[other.peer_id] = (f"has state of priority {_stated_priority(other, other_manifest)}, "
+                                                 f"older than {self.min_priority}")
+                self.newest_refused = max(priority, self.newest_refused if self.newest_refused is not None
+                                          else priority)
+                self.incomplete_attempts += 1
+                return None
             board = self.board = _ChunkBoard(manifest, self.have)
             logger.info(f"downloading state {self.prefix!r} from {donor.peer_id} "
-                        f"(priority {donor.priority}): {manifest.total_bytes / 2**20:.1f} MiB "
+                        f"(priority {priority}, declared {donor.priority}): {manifest.total_bytes / 2**20:.1f} MiB "
                         f"in {manifest.num_chunks} chunks, {len(self.have)} already in hand")
-            workers.add(self.loop.create_task(self.worker(donor, manifest, board)))
+            for helper, helper_manifest, _ in answered:  # older donors help with the chunks they share
+                workers.add(self.loop.create_task(self.worker(helper, helper_manifest, board)))
             pending = set(manifests) | workers
             while not board.complete and pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -405,7 +444,9 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
         timeout: the deadline for the whole call (None: DEFAULT_DOWNLOAD_TIMEOUT).
         max_attempts: rounds of (read the DHT, get manifests, fetch chunks); chunks verified in one
             round are kept for the next.
-        min_priority: ignore donors that declared a lower priority (e.g. an older epoch).
+        min_priority: adopt no state older than this (e.g. the swarm's epoch), judged by the priority
+            each donor states in its manifest, not by its possibly stale DHT declaration; when no
+            donor has reached it, `StateDownloadError` says so.
         max_donors: donors asked for a manifest, and so fetched from in parallel, per round.
         stall_timeout: the longest wait for any one reply or chunk before giving up on that donor.
         batch_chunks: chunks asked for per request (at most MAX_CHUNKS_PER_REQUEST).
@@ -426,13 +467,14 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
     loop = asyncio.get_running_loop()
     started = loop.time()
     download = _Download(host, prefix, started + timeout, stall_timeout, max_donors, batch_chunks,
-                         rng or random.Random())
+                         rng or random.Random(), min_priority)
     attempts = 0
     try:
         async with asyncio.timeout_at(download.deadline):
             for attempts in range(1, max_attempts + 1):
-                donors = await find_donors(dht_node, prefix, exclude=host.peer_id, min_priority=min_priority,
-                                           rng=download.rng)
+                # not filtered by min_priority: a declaration may lag a step behind the donor's state,
+                # so the priority its manifest states is what counts (see `_Download.attempt`)
+                donors = await find_donors(dht_node, prefix, exclude=host.peer_id, rng=download.rng)
                 if not any(download.may_ask(donor) for donor in donors):
                     break
                 result = await download.attempt(donors)
@@ -453,6 +495,12 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
     if not download.failures and not download.incomplete_attempts:
         logger.info(f"no peer shares state under {prefix!r}; nothing to load")
         return None
+    if download.newest_refused is not None:
+        raise StateDownloadError(
+            f"could not load state {prefix!r} of priority {download.min_priority} or newer after {attempts} "
+            f"attempt(s): the newest state the donors that answered have is {download.newest_refused} "
+            f"({download.summary()}). The donors may not have reached it yet: retry later.",
+            dict(download.failures))
     raise StateDownloadError(
         f"could not load state {prefix!r} after {attempts} attempt(s) in {loop.time() - started:.1f} s: "
         f"{download.summary()}. Check that the donors are online and reachable.", dict(download.failures))

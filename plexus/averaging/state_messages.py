@@ -9,8 +9,8 @@ accepts, one raw frame per requested chunk, in the order asked:
 
 The state travels as one byte string: the buffers of the serialized tensors (`SerializedTensor`
 of each, in order) concatenated, cut into `chunk_size` chunks (the last may be shorter). The
-manifest carries everything else: the msgpack metadata, one `TensorHeader` per tensor and the
-SHA-256 of every chunk, so each chunk is checked on arrival and a chunk with a given hash may be
+manifest carries everything else: the msgpack metadata, one `TensorHeader` per tensor, the
+donor's priority at the time of the snapshot and the SHA-256 of every chunk, so each chunk is checked on arrival and a chunk with a given hash may be
 fetched from any donor whose manifest lists that hash. A request that is not a valid message is
 answered with an RPC error frame; the statuses above are the refusals a well-behaved caller
 handles (try another donor, back off, ask for a fresh manifest).
@@ -124,10 +124,15 @@ class StateManifest(Message):
     tensors: tuple[TensorHeader, ...]
     chunk_size: int
     chunk_hashes: bytes  # HASH_SIZE bytes per chunk, in order
+    # the donor's priority (e.g. its epoch) when the snapshot was taken; None from donors that
+    # predate this field. Its DHT declaration may lag behind a step, this may not.
+    priority: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.snapshot_id) != SNAPSHOT_ID_SIZE:
             raise ValueError(f"snapshot_id must have {SNAPSHOT_ID_SIZE} bytes")
+        if self.priority is not None and not math.isfinite(self.priority):
+            raise ValueError(f"priority must be finite, got {self.priority}")
         if len(self.metadata) > MAX_METADATA_SIZE:
             raise ValueError(f"metadata of {len(self.metadata)} bytes exceeds {MAX_METADATA_SIZE}")
         if len(self.tensors) > MAX_TENSORS:

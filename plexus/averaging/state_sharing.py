@@ -15,12 +15,13 @@ round that changes the tensors later (in place, on the loop) never leaks into it
 thread that changes them is kept out by `state_lock`, held for the call and the copies only.
 No lock is held across an await, so donors keep serving while they average. Serializing (with
 `state_compression`) and hashing the copy happens in a worker thread. A snapshot younger than
-`snapshot_max_age` is reused unless the priority (the epoch) changed since, and concurrent
-requests share one being built, so a crowd of newcomers costs one snapshot. At most
-`MAX_SNAPSHOTS` are kept; one nobody has fetched from for `snapshot_retention` seconds is
-dropped, and a newer one is never built by evicting one still in use (the newest is served
-instead, a little stale). At most `max_concurrent_uploads` CHUNKS requests are served at once;
-more get BUSY, and the newcomer backs off or fetches elsewhere.
+`snapshot_max_age` is reused unless the priority (the epoch) changed since; its manifest states
+the priority read together with the state, which newcomers trust over the DHT declaration (that
+one may lag a step behind). Concurrent requests share one being built, so a crowd of newcomers
+costs one snapshot. At most `MAX_SNAPSHOTS` are kept; one nobody has fetched from for
+`snapshot_retention` seconds is dropped, and a newer one is never built by evicting one still in
+use (the newest is served instead, a little stale). At most `max_concurrent_uploads` CHUNKS
+requests are served at once; more get BUSY, and the newcomer backs off or fetches elsewhere.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class _Snapshot:
 
 def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor],
                         infos: Sequence[CompressionInfo | None], compression: CompressionBase,
-                        chunk_size: int) -> tuple[StateManifest, list]:
+                        chunk_size: int, priority: float | None = None) -> tuple[StateManifest, list]:
     """Compress private copies of the tensors, cut their buffers into chunks, hash them (in a thread)."""
     metadata_bytes = MSGPackSerializer.dumps(metadata)
     headers, buffers = [], []
@@ -107,7 +108,8 @@ def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor],
     if pieces:
         chunks.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
     hashes = b"".join(hashlib.sha256(chunk).digest() for chunk in chunks)
-    manifest = StateManifest(os.urandom(SNAPSHOT_ID_SIZE), metadata_bytes, tuple(headers), chunk_size, hashes)
+    manifest = StateManifest(os.urandom(SNAPSHOT_ID_SIZE), metadata_bytes, tuple(headers), chunk_size, hashes,
+                             priority)
     return manifest, chunks
 
 
@@ -367,9 +369,10 @@ class StateSharing:
             # the consistency point: state and private copies are taken under the state lock, in a
             # worker thread, so a training thread holding that lock never stalls the event loop
             version = self._version
-            metadata, copies, infos = await asyncio.to_thread(self._take_state)
+            metadata, copies, infos, priority = await asyncio.to_thread(self._take_state)
             manifest, chunks = await asyncio.to_thread(
-                _serialize_snapshot, metadata, copies, list(infos), self.state_compression, self.chunk_size)
+                _serialize_snapshot, metadata, copies, list(infos), self.state_compression, self.chunk_size,
+                priority)
             del copies
             now = self._loop.time()
             reply = StateReply(ReplyStatus.OK, manifest=manifest).encode()
@@ -382,10 +385,13 @@ class StateSharing:
             self._building = None
 
     def _take_state(self) -> tuple:
+        """(metadata, copies, infos, priority): the priority is read with the state, so the manifest
+        states the epoch of the tensors it describes, even if the DHT declaration still lags."""
         with self.state_lock:
+            priority = self._priority
             state = self.get_current_state()
             metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
-            return metadata, [tensor.detach().to("cpu", copy=True) for tensor in tensors], infos
+            return metadata, [tensor.detach().to("cpu", copy=True) for tensor in tensors], infos, priority
 
     def _drop_idle(self, now: float) -> None:
         self._snapshots = [s for s in self._snapshots if now - s.last_used < self.snapshot_retention]

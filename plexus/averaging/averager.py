@@ -167,10 +167,15 @@ class DecentralizedAverager:
         Called with the tensors' lock held; return references, the caller copies them."""
         return dict(group_bits=self.get_group_bits()), self._tensors, self.tensor_infos
 
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
-        """Download (metadata, tensors) from up-to-date peers; None if nobody shares state."""
+    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None,
+                              min_priority: float | None = None):
+        """Download (metadata, tensors) from up-to-date peers; None if nobody shares state.
+
+        `min_priority` (e.g. the swarm's epoch): fail with `StateDownloadError` rather than take
+        an older state."""
         future = self._background.submit(
-            load_state_from_peers(self.dht.host, self.dht.node, self.prefix, timeout=timeout))
+            load_state_from_peers(self.dht.host, self.dht.node, self.prefix, timeout=timeout,
+                                  min_priority=min_priority))
         return future.result() if wait else future
 
     @property

@@ -512,10 +512,14 @@ class Optimizer(torch.optim.Optimizer):
     # --- state --------------------------------------------------------------------------------------
 
     def load_state_from_peers(self, **kwargs) -> None:
-        """Download parameters, optimizer state and epoch from up-to-date peers (bounded attempts)."""
+        """Download parameters, optimizer state and epoch from up-to-date peers (bounded attempts).
+
+        Donors still at an older epoch than the swarm's (as the tracker knows it) are not adopted:
+        the load fails and is retried later, rather than download a state that is behind already."""
         self._release_scheduled_grads()
         self._must_load_state = False
         with self.tracker.pause_updates():
+            kwargs.setdefault("min_epoch", self.tracker.global_progress.epoch)
             try:
                 loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             except StateLoadError as error:

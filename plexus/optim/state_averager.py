@@ -654,12 +654,14 @@ class TrainingStateAverager(DecentralizedAverager):
         return metadata, [*params, *self.extra_tensors, *optimizer_tensors], infos
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, *, max_attempts: int = 3,
-                              retry_backoff: float = 1.0):
+                              retry_backoff: float = 1.0, min_epoch: int | None = None):
         """Download the state of the most advanced peer and adopt it; blocking (training thread).
 
         Background work is finished first (a round not yet in its all-reduce is cancelled). Each
         attempt is one `DecentralizedAverager.load_state_from_peers(timeout=timeout)`; a failed or
         unusable download is retried after `retry_backoff` seconds, doubling, `max_attempts` times.
+        With `min_epoch` (the swarm's epoch, when known), a donor whose state is older is never
+        adopted: an attempt that finds only such donors fails and is retried like any other.
 
         Returns True when state was loaded; False when nobody shares state, or when every donor's
         epoch is behind ours (our state is kept). With `wait=False`, a future of that.
@@ -670,7 +672,7 @@ class TrainingStateAverager(DecentralizedAverager):
         if not wait:
             executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-loader")
             future = executor.submit(self.load_state_from_peers, True, timeout, max_attempts=max_attempts,
-                                     retry_backoff=retry_backoff)
+                                     retry_backoff=retry_backoff, min_epoch=min_epoch)
             executor.shutdown(wait=False)
             return future
         if max_attempts < 1:
@@ -684,7 +686,8 @@ class TrainingStateAverager(DecentralizedAverager):
             failures = []
             for attempt in range(1, max_attempts + 1):
                 try:
-                    loaded = DecentralizedAverager.load_state_from_peers(self, wait=True, timeout=timeout)
+                    loaded = DecentralizedAverager.load_state_from_peers(self, wait=True, timeout=timeout,
+                                                                         min_priority=min_epoch)
                     if loaded is None:
                         logger.info(f"Nobody shares state under {self.prefix!r}; "
                                     f"keeping ours (epoch {self.local_epoch})")

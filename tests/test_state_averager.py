@@ -219,7 +219,7 @@ def test_unusable_state_ends_in_a_clear_error_after_bounded_attempts():
         assert time.monotonic() - started < 15
         assert joiner.local_epoch == 0
         # the swarm is known to be at epoch 1 but the only donor is at 0: not adopted, a clear error
-        with pytest.raises(StateLoadError, match=r"after 2 attempts.*priority 1(\.0)? or newer.*newest .* is 0"):
+        with pytest.raises(StateLoadError, match=r"after 2 attempts.*priority 1(\.0)? or newer.*is 0"):
             joiner.load_state_from_peers(timeout=5, max_attempts=2, retry_backoff=0.05, min_epoch=1)
         assert time.monotonic() - started < 30
     finally:

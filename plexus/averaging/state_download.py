@@ -348,7 +348,8 @@ class _Download:
                 self._fail(donor, error)
                 return
 
-    async def _first_manifests(self, manifests: dict[asyncio.Task, Donor]) -> list[tuple[Donor, StateManifest, Any]]:
+    async def _first_manifests(self, manifests: dict[asyncio.Task, Donor]
+                               ) -> list[tuple[Donor, StateManifest, Any]]:
         """The manifests that arrive within one stall timeout, best declared donor first.
 
         Returns early once one states at least `min_priority` and every donor still pending
@@ -386,16 +387,17 @@ class _Download:
             priority = _stated_priority(donor, manifest)
             if self.min_priority is not None and priority < self.min_priority:
                 for other, other_manifest, _ in answered:
-                    self.notes[other.peer_id] = (f"has state of priority {_stated_priority(other, other_manifest)}, "
-                                                 f"older than {self.min_priority}")
+                    stated = _stated_priority(other, other_manifest)
+                    self.notes[other.peer_id] = f"has state of priority {stated}, below {self.min_priority}"
                 self.newest_refused = max(priority, self.newest_refused if self.newest_refused is not None
                                           else priority)
                 self.incomplete_attempts += 1
                 return None
             board = self.board = _ChunkBoard(manifest, self.have)
             logger.info(f"downloading state {self.prefix!r} from {donor.peer_id} "
-                        f"(priority {priority}, declared {donor.priority}): {manifest.total_bytes / 2**20:.1f} MiB "
-                        f"in {manifest.num_chunks} chunks, {len(self.have)} already in hand")
+                        f"(priority {priority}, declared {donor.priority}): "
+                        f"{manifest.total_bytes / 2**20:.1f} MiB in {manifest.num_chunks} chunks, "
+                        f"{len(self.have)} already in hand")
             for helper, helper_manifest, _ in answered:  # older donors help with the chunks they share
                 workers.add(self.loop.create_task(self.worker(helper, helper_manifest, board)))
             pending = set(manifests) | workers

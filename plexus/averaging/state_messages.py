@@ -10,8 +10,9 @@ accepts, one raw frame per requested chunk, in the order asked:
 The state travels as one byte string: the buffers of the serialized tensors (`SerializedTensor`
 of each, in order) concatenated, cut into `chunk_size` chunks (the last may be shorter). The
 manifest carries everything else: the msgpack metadata, one `TensorHeader` per tensor, the
-donor's priority at the time of the snapshot and the SHA-256 of every chunk, so each chunk is checked on arrival and a chunk with a given hash may be
-fetched from any donor whose manifest lists that hash. A request that is not a valid message is
+donor's priority when the snapshot was taken and the SHA-256 of every chunk, so each chunk is
+checked on arrival and a chunk with a given hash may be fetched from any donor whose manifest
+lists that hash. A request that is not a valid message is
 answered with an RPC error frame; the statuses above are the refusals a well-behaved caller
 handles (try another donor, back off, ask for a fresh manifest).
 

@@ -9,10 +9,10 @@ ride along so that a newcomer whose DHT never met the donor can still dial it. I
 `STATE_PROTOCOL` (messages in `state_messages.py`) through one handler per host that dispatches
 by prefix. The newcomer side is `state_download.py`.
 
-A MANIFEST request gets a *snapshot*: `get_current_state()` is called on the event loop and its
-tensors are copied with torch ops before anything else can run on the loop, so an averaging
-round that changes the tensors later (in place, on the loop) never leaks into it; a training
-thread that changes them is kept out by `state_lock`, held for the call and the copies only.
+A MANIFEST request gets a *snapshot*: `get_current_state()` is called in a worker thread under
+`state_lock`, and its tensors are copied before the lock is let go, so whoever changes them under
+that lock (a training thread; the averager publishing a round) never leaks into a snapshot, and a
+training thread holding the lock never stalls the event loop.
 No lock is held across an await, so donors keep serving while they average. Serializing (with
 `state_compression`) and hashing the copy happens in a worker thread. A snapshot younger than
 `snapshot_max_age` is reused unless the priority (the epoch) changed since; its manifest states
@@ -172,9 +172,9 @@ class StateSharing:
     """Serve snapshots of this peer's state to newcomers and declare it in the DHT.
 
     Args:
-        get_current_state: returns (metadata, tensors) or (metadata, tensors, infos); called on
-            the event loop thread, so it must be quick. Metadata must be msgpack-serializable
-            (tuples are kept). The tensors are copied right after it returns, with no await between.
+        get_current_state: returns (metadata, tensors) or (metadata, tensors, infos); called in a
+            worker thread under `state_lock`. Metadata must be msgpack-serializable (tuples are
+            kept). The tensors are copied right after it returns, before the lock is let go.
         state_lock: a context manager (e.g. the `threading.Lock` a training thread holds while it
             updates the tensors) held around the call and the copies, never across an await.
         state_compression: how tensors travel (any CompressionBase, adaptive ones included).

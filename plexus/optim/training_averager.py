@@ -24,7 +24,7 @@ import torch
 from ..averaging.averager import DecentralizedAverager
 from ..compression import CompressionInfo, TensorRole
 from ..utils.logging import get_logger
-from .state_averager import (
+from .optimizer_state import (
     flatten_optimizer_state,
     initialize_optimizer_state,
     optimizer_parameters,

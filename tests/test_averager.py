@@ -1,5 +1,7 @@
 """DecentralizedAverager end to end: matchmaking + all-reduce + state sharing over real hosts."""
 
+import asyncio
+import concurrent.futures
 import multiprocessing as mp
 import os
 import signal
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from plexus.averaging.averager import AveragingError, DecentralizedAverager
-from plexus.averaging.control import AveragingStage
+from plexus.averaging.control import AveragingStage, StepControl
 from plexus.dht.dht import DHT
 
 pytestmark = pytest.mark.timeout(90)
@@ -182,3 +184,26 @@ def test_a_peer_killed_mid_round_does_not_stop_the_others():
             if process.is_alive():
                 process.kill()
         first.shutdown()
+
+
+def test_wait_ended_follows_the_coroutine_not_the_future():
+    """A cancelled step's future ends at once, its coroutine a moment later; a step cancelled
+    before its coroutine ran has nothing left to wait for."""
+    loop = asyncio.new_event_loop()
+    try:
+        unstarted = StepControl(loop, scheduled_time=0.0, weight=1.0, require_trigger=False)
+        unstarted._attach(concurrent.futures.Future())
+        assert not unstarted.wait_ended(0)
+        unstarted.cancel()
+        assert unstarted.wait_ended(0)
+
+        running = StepControl(loop, scheduled_time=0.0, weight=1.0, require_trigger=False)
+        running._attach(concurrent.futures.Future())
+        running.stage = AveragingStage.LOOKING_FOR_GROUP
+        running.cancel()
+        assert not running.wait_ended(0)  # still matchmaking
+        running._finish()  # what the averager's step does as it ends, however it ends
+        assert running.wait_ended(0) and running.stage is AveragingStage.FINISHED
+    finally:
+        loop.close()
+

@@ -268,7 +268,7 @@ class DecentralizedAverager:
             raise AveragingError(f"Averaging step failed: no group was ready before the deadline "
                                  f"({'; '.join(failures) or 'waiting for the trigger'})") from None
         finally:
-            control.stage = AveragingStage.FINISHED
+            control._finish()
 
     def _weight_for_group(self, group, control: StepControl) -> float:
         """The control's weight, or what its `weight_for_group` makes of it for this group."""

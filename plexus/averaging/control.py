@@ -9,6 +9,10 @@ epoch ends).
 import asyncio
 import concurrent.futures
 import enum
+import threading
+
+
+UNWIND_TIMEOUT = 10.0  # the longest a cancelled step's coroutine takes to end, in practice far less
 
 
 class AveragingStage(enum.Enum):
@@ -28,6 +32,7 @@ class StepControl:
         if not require_trigger:
             self._trigger.set()
         self._future: concurrent.futures.Future | None = None
+        self._ended = threading.Event()  # the step's coroutine is over (or was cancelled unstarted)
         self.weight_for_group = None
         """Optional `(gathered, weight) -> weight`, called once the group is known and the trigger
         fired, with the user `gather` of every member that contributes (not auxiliary): lets a
@@ -36,6 +41,22 @@ class StepControl:
 
     def _attach(self, future: concurrent.futures.Future) -> None:
         self._future = future
+        future.add_done_callback(self._on_future_done)
+
+    def _on_future_done(self, _future) -> None:
+        if self.stage is AveragingStage.IDLE:  # cancelled before its coroutine ran: it never will
+            self._ended.set()
+
+    def _finish(self) -> None:
+        """Called by the averager as the step's coroutine ends, however it ends."""
+        self.stage = AveragingStage.FINISHED
+        self._ended.set()
+
+    def wait_ended(self, timeout: float = UNWIND_TIMEOUT) -> bool:
+        """Block until the step's coroutine is over, not just its future: a cancelled step leaves
+        matchmaking a moment after `cancel()` returns, and the averager looks for one group at a
+        time. False if it still runs after `timeout` seconds."""
+        return self._ended.wait(timeout)
 
     @property
     def weight(self) -> float:

@@ -336,7 +336,7 @@ class Optimizer(torch.optim.Optimizer):
                     logger.debug(f"the round we withdrew from ended with {error!r}")
                 return
         control.cancel()
-        _wait_until_unwound(control)
+        control.wait_ended()
 
     def _update_global_epoch(self, grad_scaler: GradScaler | None) -> None:
         behind = False
@@ -464,11 +464,11 @@ class Optimizer(torch.optim.Optimizer):
             progress = self.tracker.global_progress
             if progress.epoch > epoch:
                 control.cancel()
-                _wait_until_unwound(control)
+                control.wait_ended()
                 return None
             if progress.num_peers < (1 if self.auxiliary else 2):
                 control.cancel()
-                _wait_until_unwound(control)
+                control.wait_ended()
                 raise AveragingError("no other peer is left in the swarm")
 
     def _averaged_gradients_into_params(self):
@@ -557,7 +557,6 @@ class Optimizer(torch.optim.Optimizer):
 
 
 _BEHIND = object()  # _average_gradients: the group showed that this peer is behind the swarm
-UNWIND_TIMEOUT = 10.0
 POLL_INTERVAL = 0.1  # how often a peer waiting for its gradient round looks whether the swarm moved on
 
 
@@ -581,15 +580,6 @@ def _keep_unless_same_epoch(epoch: int, gathered: dict, weight: float) -> float:
     were, instead of averaging parameters that differ by whole optimizer steps."""
     epochs = set(gathered.values())
     return weight if epochs <= {epoch} else 0.0
-
-
-def _wait_until_unwound(control: StepControl) -> None:
-    """A cancelled step leaves matchmaking a moment after its future ends; the next round of the
-    same averager may only start after that (bounded)."""
-    deadline = time.monotonic() + UNWIND_TIMEOUT
-    while control.stage in (AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER) \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _check_options(client_mode, auxiliary, offload_optimizer, delay_optimizer_step, delay_grad_averaging,

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from ..averaging.averager import AveragingError, DecentralizedAverager
-from ..averaging.control import AveragingStage, StepControl
+from ..averaging.control import StepControl
 from ..averaging.state_download import StateDownloadError
 from ..compression import CompressionInfo, TensorRole
 from ..utils.logging import get_logger
@@ -84,10 +84,6 @@ logger = get_logger(__name__)
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-UNWIND_TIMEOUT = 10.0
-_ACTIVE_STAGES = (AveragingStage.LOOKING_FOR_GROUP, AveragingStage.AWAITING_TRIGGER, AveragingStage.RUNNING_ALLREDUCE)
 
 
 class StateLoadError(RuntimeError):
@@ -518,7 +514,7 @@ class TrainingStateAverager(DecentralizedAverager):
         finally:
             if control is not None:
                 self._controls.discard(control)
-                _wait_until_unwound(control)
+                control.wait_ended()
 
     def finish_background_work(self, timeout: float) -> bool:
         """Before leaving: cancel rounds that have not begun their all-reduce (nobody waits for a
@@ -669,14 +665,6 @@ class TrainingStateAverager(DecentralizedAverager):
     def __repr__(self) -> str:
         return (f"<TrainingStateAverager {self.prefix} epoch={self.local_epoch} "
                 f"offload={self.offload_optimizer} delta={self.delta_rule_averaging}>")
-
-
-def _wait_until_unwound(control: StepControl) -> None:
-    """A cancelled step's future ends at once but its coroutine a moment later, still matchmaking;
-    the next round may start only after that (one look for a group at a time)."""
-    deadline = time.monotonic() + UNWIND_TIMEOUT
-    while control.stage in _ACTIVE_STAGES and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def _as_params(params) -> Iterable[torch.Tensor]:

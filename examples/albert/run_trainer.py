@@ -26,7 +26,6 @@ then still takes the swarm's state if the swarm is ahead). fp16 is used only whe
 import hashlib
 import logging
 import os
-import signal
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -40,6 +39,7 @@ from data import MaskingCollator, PeerShuffledStream, PretrainingDataset
 from lamb import Lamb
 from metrics import make_validators
 from model import AlbertForMaskedOnlyPreTraining, count_parameters, make_config, parameter_groups
+from swarm import stop_on_signals
 
 logger = logging.getLogger("plexus.albert")
 
@@ -240,17 +240,6 @@ class JsonlMetrics(TrainerCallback):
 
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
-
-
-def stop_on_signals() -> None:
-    """SIGTERM (a launcher) and SIGINT (Ctrl+C) both stop the peer cleanly. Set SIGINT explicitly:
-    a shell starting us in the background (`&`) makes us ignore it."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def main(argv: list[str] | None = None):

@@ -27,13 +27,13 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
 
 import plexus
 from plexus.utils.logging import use_plexus_log_handler
 
 from metrics import StepTable, make_validators, metrics_key, parse_records  # siblings in examples/albert
+from swarm import stop_on_signals
 
 logger = logging.getLogger("plexus.albert")
 PROGRESS_STALE_AFTER = 30.0  # seconds: a trainer's progress record older than this counts as gone
@@ -168,17 +168,6 @@ def write_status(path: str, status: dict) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(status, f)
     os.replace(path + ".tmp", path)
-
-
-def stop_on_signals() -> None:
-    """SIGTERM (a launcher) and SIGINT (Ctrl+C) both stop the peer cleanly. Set SIGINT explicitly:
-    a shell starting us in the background (`&`) makes us ignore it."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
 
 
 def main(argv=None):

@@ -38,6 +38,18 @@ def _child_setup(group: int):
     return setup
 
 
+def stop_on_signals() -> None:
+    """The child's side of stopping: SIGTERM (from LocalSwarm or any launcher) and SIGINT (Ctrl+C)
+    both stop a peer cleanly. SIGINT is set explicitly: a shell starting a script in the
+    background (`&`) makes it ignore SIGINT."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 class LocalSwarm:
     def __init__(self, run_dir: str, threads: int = 1, python: str = sys.executable):
         self.run_dir, self.python = os.path.abspath(run_dir), python

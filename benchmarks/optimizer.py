@@ -40,13 +40,10 @@ def make_model_and_data():
     return model, inputs, labels
 
 
-def local_loop(seconds: float, barrier, results) -> None:
+def train(model, opt, inputs, labels, seconds: float) -> int:
+    """Steps of one random batch each until `seconds` have passed; returns how many."""
     import torch
 
-    torch.set_num_threads(1)
-    model, inputs, labels = make_model_and_data()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    barrier.wait()
     steps, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
         rows = torch.randint(0, len(inputs), (BATCH,))
@@ -54,7 +51,17 @@ def local_loop(seconds: float, barrier, results) -> None:
         opt.step()
         opt.zero_grad()
         steps += 1
-    results.put(steps * BATCH / seconds)
+    return steps
+
+
+def local_loop(seconds: float, barrier, results) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    model, inputs, labels = make_model_and_data()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    barrier.wait()
+    results.put(train(model, opt, inputs, labels, seconds) * BATCH / seconds)
 
 
 class _Rounds(logging.Handler):
@@ -90,14 +97,8 @@ def swarm_peer(index: int, target: int, seconds: float, addresses, barrier, resu
                     optimizer=functools.partial(torch.optim.Adam, lr=1e-3), params=model.parameters(),
                     matchmaking_time=3.0, averaging_timeout=10.0)
     barrier.wait()
-    start = time.monotonic()
-    end, steps, first_epoch = start + seconds, 0, opt.local_epoch
-    while time.monotonic() < end:
-        rows = torch.randint(0, len(inputs), (BATCH,))
-        torch.nn.functional.cross_entropy(model(inputs[rows]), labels[rows]).backward()
-        opt.step()
-        opt.zero_grad()
-        steps += 1
+    start, first_epoch = time.monotonic(), opt.local_epoch
+    steps = train(model, opt, inputs, labels, seconds)
     elapsed = time.monotonic() - start
     epochs = opt.local_epoch - first_epoch
     opt.shutdown()

@@ -453,11 +453,10 @@ class AllReduceRunner:
                 self._channels[sender].push((keep, None))
             return
         target = self.partition.view(part) if self.is_sender and self.me in self._core.live else None
-        if target is not None and self.alpha == 1.0 and target.dtype == state.acc.dtype and target.device.type == "cpu":
-            average = torch.div(state.acc, state.total_weight, out=target)  # final for this round: shared as is
-            target = None
-        else:
-            average = state.acc.div_(state.total_weight)
+        in_place = (target is not None and self.alpha == 1.0 and target.dtype == state.acc.dtype
+                    and target.device.type == "cpu")  # the average is final for this round: shared from there
+        total = state.total_weight
+        average = torch.div(state.acc, total, out=target) if in_place else state.acc.div_(total)
         shared = None
         for sender in recipients:
             received = state.received.get(sender)
@@ -468,13 +467,14 @@ class AllReduceRunner:
                     shared = (header.encode(), tensor_bytes_view(wire))
                 self._channels[sender].push(shared)
             else:
-                x_decoded = decode_tensor(received[0].numel, received[0].dtype, received[0].compression, received[1])
+                sent_header, sent_buffer = received
+                x_decoded = decode_tensor(sent_header.numel, sent_header.dtype, sent_header.compression, sent_buffer)
                 delta = (average - x_decoded).to(dtype)
                 info = self.partition.compression_info(part)
                 name, compression, buffer = encode_tensor(delta, info, self.compression)
                 header = AnswerHeader(index, AnswerKind.DELTA, part.numel, name, compression)
                 self._channels[sender].push((header.encode(), buffer))
-        if target is not None:
+        if target is not None and not in_place:
             self.partition.apply_average(part, average, self.alpha)
 
     # --- reducer side: one sender's stream ---------------------------------------------------------

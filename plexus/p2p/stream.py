@@ -67,7 +67,7 @@ class Stream:
         if not await self._data_buffered():
             return b""
         if max_bytes < 0 or max_bytes >= self._buffered:
-            return self._take_all()
+            return self._take(self._buffered)
         return self._take(max_bytes)
 
     async def _data_buffered(self) -> bool:
@@ -138,18 +138,6 @@ class Stream:
                 break
         return bytes(head)
 
-    def _take_all(self) -> bytes:
-        chunks, offset = self._chunks, self._offset
-        if len(chunks) == 1:
-            data = bytes(chunks[0][offset:]) if offset or type(chunks[0]) is not bytes else chunks[0]
-        else:
-            first = chunks.popleft()
-            data = b"".join([first[offset:] if offset else first, *chunks])
-        chunks.clear()
-        self._offset = 0
-        self._consumed(len(data))
-        return data
-
     def _take(self, n: int) -> bytes:
         pieces = self._take_views(n)
         self._consumed(n)
@@ -195,7 +183,7 @@ class Stream:
     def _finish_negotiation(self) -> None:
         """Feed buffered bytes to the lazily started multistream dialer until it has an answer."""
         dialer = self._negotiation
-        dialer.receive_data(self._take_all())  # raises NegotiationError if the protocol was refused
+        dialer.receive_data(self._take(self._buffered))  # raises NegotiationError if the protocol was refused
         if dialer.selected is not None:
             self._negotiation = None
             self.protocol = dialer.selected

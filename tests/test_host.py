@@ -8,10 +8,11 @@ import socket
 import pytest
 
 from plexus.p2p.connection import Connection
-from plexus.p2p.host import DialError, Host
+from plexus.p2p.host import DialError, Host, HostOptions
 from plexus.p2p.identity import PrivateKey, load_or_create_identity
 from plexus.p2p.multiaddr import Multiaddr
 from plexus.p2p.protocols.multistream import NegotiationError
+from plexus.p2p.protocols.noise import AESGCM_SUITE, CHACHAPOLY_SUITE
 from plexus.p2p.stream import StreamError, StreamResetError
 
 pytestmark = pytest.mark.timeout(30)
@@ -97,6 +98,49 @@ def test_streams_carry_data_both_ways_with_half_close():
         await shutdown(a, b)
 
     run(main())
+
+
+@pytest.mark.parametrize(
+    "dialer, listener, agreed",
+    [
+        (("AESGCM", "ChaChaPoly"), ("AESGCM", "ChaChaPoly"), AESGCM_SUITE),
+        (("AESGCM", "ChaChaPoly"), ("ChaChaPoly",), CHACHAPOLY_SUITE),  # a plain libp2p listener answers "na" first
+        (("ChaChaPoly",), ("AESGCM", "ChaChaPoly"), CHACHAPOLY_SUITE),  # a plain libp2p dialer
+        (("ChaChaPoly", "AESGCM"), ("AESGCM", "ChaChaPoly"), CHACHAPOLY_SUITE),  # the dialer's order wins
+    ],
+)
+def test_noise_cipher_suites_are_negotiated(dialer, listener, agreed):
+    async def main():
+        a = await Host(host_maddrs=LOCAL, noise_ciphers=dialer).start()
+        b = await Host(host_maddrs=LOCAL, noise_ciphers=listener).start()
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        payload = os.urandom(300_000)
+        stream = await a.new_stream(b.get_visible_maddrs()[0], ["/test/echo/1.0.0"])
+        await stream.write(payload)
+        assert await stream.readexactly(len(payload)) == payload
+        assert a._connections[b.peer_id][0].noise_suite is b._connections[a.peer_id][0].noise_suite is agreed
+        await shutdown(a, b)
+
+    run(main())
+
+
+def test_a_peer_without_a_common_cipher_suite_is_refused():
+    async def main():
+        a = await Host(host_maddrs=LOCAL, noise_ciphers=("AESGCM",)).start()
+        b = await Host(host_maddrs=LOCAL, noise_ciphers=("ChaChaPoly",)).start()
+        with pytest.raises(DialError, match="none of the protocols we proposed: /plexus/noise-aesgcm/1.0.0"):
+            await a.connect(b.get_visible_maddrs()[0])
+        (c,) = await hosts(1)
+        assert await c.ping(b.get_visible_maddrs()[0]) < 5  # still serving
+        await shutdown(a, b, c)
+
+    run(main())
+
+
+@pytest.mark.parametrize("ciphers", [(), ("AESGCM", "DES")])
+def test_unknown_noise_ciphers_are_refused_clearly(ciphers):
+    with pytest.raises(ValueError, match="noise_ciphers must name one or more of .'AESGCM', 'ChaChaPoly'."):
+        HostOptions(noise_ciphers=ciphers)
 
 
 def test_many_concurrent_streams():

@@ -1,5 +1,5 @@
-"""Interoperability of our Host with the Go libp2p daemon (p2pd): dialing both ways, identify, ping,
-1 MiB custom-protocol echo both ways, the dialer's peer-id check and an unsupported protocol.
+"""Interoperability of our Host with the Go libp2p daemon (p2pd): dialing both ways (falling back from
+our AESGCM Noise suite to "/noise"), identify, ping, 1 MiB custom-protocol echo both ways, the dialer's peer-id check and an unsupported protocol.
 
 The daemon runs Noise + yamux over 127.0.0.1 TCP (see tests/p2pd/daemon.py). Byte streams through
 the daemon's control socket must not be half-closed: closing the unix socket for writing ends the
@@ -16,6 +16,7 @@ from plexus.p2p.host import Host
 from plexus.p2p.identity import PrivateKey
 from plexus.p2p.multiaddr import Multiaddr
 from plexus.p2p.protocols.errors import ProtocolError
+from plexus.p2p.protocols.noise import CHACHAPOLY_SUITE
 from plexus.p2p.stream import StreamResetError
 from tests.p2pd import DaemonError
 
@@ -94,6 +95,8 @@ def test_host_dials_daemon_identifies_and_pings(p2pd_factory):
         try:
             await host.connect(daemon.maddrs[0], timeout=TIMEOUT)
             assert daemon.peer_id in host.connected_peers()
+            # We offered Plexus's AESGCM suite first; the daemon said "na" and we fell back to "/noise".
+            assert host._connections[daemon.peer_id][0].noise_suite is CHACHAPOLY_SUITE
             await wait_until_daemon_lists(client, host.peer_id)
 
             info = await host.identify(daemon.peer_id, timeout=TIMEOUT)

@@ -13,12 +13,15 @@ from plexus.p2p.protocols.noise import NoiseError, NoiseHandshake, NoiseTranspor
 
 pytestmark = pytest.mark.timeout(30)
 
+SUITES = pytest.mark.parametrize("suite", [noise.CHACHAPOLY_SUITE, noise.AESGCM_SUITE], ids=lambda s: s.protocol_id)
+
 ALICE = PrivateKey.from_seed(bytes([1]) * 32)
 BOB = PrivateKey.from_seed(bytes([2]) * 32)
 MALLORY = PrivateKey.from_seed(bytes([3]) * 32)
 
 
-def make_pair(initiator_key=ALICE, responder_key=BOB, *, fixed=False, **initiator_kwargs):
+def make_pair(initiator_key=ALICE, responder_key=BOB, *, fixed=False, suite=noise.CHACHAPOLY_SUITE,
+              **initiator_kwargs):
     seeds = {}
     if fixed:
         seeds = dict(
@@ -26,8 +29,8 @@ def make_pair(initiator_key=ALICE, responder_key=BOB, *, fixed=False, **initiato
             responder=dict(static_key=bytes([21]) * 32, ephemeral_key=bytes([22]) * 32),
         )
     initiator_kwargs.update(seeds.get("initiator", {}))
-    initiator = NoiseHandshake(initiator_key, initiator=True, **initiator_kwargs)
-    responder = NoiseHandshake(responder_key, initiator=False, **seeds.get("responder", {}))
+    initiator = NoiseHandshake(initiator_key, initiator=True, suite=suite, **initiator_kwargs)
+    responder = NoiseHandshake(responder_key, initiator=False, suite=suite, **seeds.get("responder", {}))
     return initiator, responder
 
 
@@ -79,9 +82,10 @@ def open_all(transport: NoiseTransport, data: bytes) -> bytes:
 # --- the handshake
 
 
+@SUITES
 @pytest.mark.parametrize("one_byte_at_a_time", [False, True])
-def test_handshake_authenticates_both_sides(one_byte_at_a_time):
-    initiator, responder = make_pair(expected_peer=BOB.peer_id)
+def test_handshake_authenticates_both_sides(one_byte_at_a_time, suite):
+    initiator, responder = make_pair(expected_peer=BOB.peer_id, suite=suite)
     assert initiator.state is State.INITIATOR_EXPECT_MSG2 and responder.state is State.RESPONDER_EXPECT_MSG1
     transcript = run_handshake(initiator, responder, one_byte_at_a_time)
     assert [len(flight) for flight in transcript][0] == 2 + 32  # msg1: e and an empty payload
@@ -90,7 +94,16 @@ def test_handshake_authenticates_both_sides(one_byte_at_a_time):
     a, b = initiator.to_transport(), responder.to_transport()
     assert a.handshake_hash == b.handshake_hash and len(a.handshake_hash) == 32
     assert a.pending == b.pending == b""
+    assert a.suite is b.suite is suite
     assert open_all(b, seal(a, b"ping")) == b"ping" and open_all(a, seal(b, b"pong")) == b"pong"
+
+
+def test_sides_with_different_cipher_suites_fail_cleanly():
+    initiator, responder = make_pair(suite=noise.AESGCM_SUITE)
+    responder = NoiseHandshake(BOB, initiator=False, suite=noise.CHACHAPOLY_SUITE)
+    responder.receive_data(initiator.data_to_send())  # msg1 is in clear: only its hash differs
+    with pytest.raises(NoiseError, match="could not decrypt the peer's static key"):
+        initiator.receive_data(responder.data_to_send())
 
 
 def test_initiator_completes_when_msg3_is_queued():
@@ -119,23 +132,28 @@ def test_bytes_after_the_last_handshake_frame_become_pending():
     assert open_all(receiver, receiver.pending) == b"firstsecond"
 
 
-def test_deterministic_transcript_with_fixed_keys():
+@SUITES
+def test_deterministic_transcript_with_fixed_keys(suite):
     runs = []
     for _ in range(2):
-        initiator, responder = make_pair(fixed=True)
+        initiator, responder = make_pair(fixed=True, suite=suite)
         transcript = run_handshake(initiator, responder)
         a = initiator.to_transport()
         runs.append((transcript, seal(a, b"hello" * 100), a.handshake_hash))
     assert runs[0] == runs[1]
     # A change to the key schedule changes these bytes: pin the digest of the whole transcript.
     digest = hashlib.sha256(b"".join(runs[0][0]) + runs[0][1]).hexdigest()
-    assert digest == PINNED_TRANSCRIPT_SHA256
+    assert digest == PINNED_TRANSCRIPT_SHA256[suite.protocol_id]
 
 
-# Recorded with the fixed keys above. The same three messages and the first transport frame came out
-# byte-identical from an independent implementation (PyPI `noiseprotocol` 0.3.1, driven by hand with
-# the same X25519 keys and these libp2p payloads), and it decrypted our frames and we its.
-PINNED_TRANSCRIPT_SHA256 = "98a177f3afdac85023b0e703df7c91124565da0162e8cfaeefe899f49324bead"
+# Recorded with the fixed keys above. For each suite the same three messages, the first transport frame
+# and the handshake hash came out byte-identical from an independent implementation (PyPI
+# `noiseprotocol` 0.3.1, driven by hand with the same X25519 keys and these libp2p payloads), and it
+# decrypted our frames.
+PINNED_TRANSCRIPT_SHA256 = {
+    "/noise": "98a177f3afdac85023b0e703df7c91124565da0162e8cfaeefe899f49324bead",
+    "/plexus/noise-aesgcm/1.0.0": "bfd5779ea54e5d38c8d3daeeff75c34ed8aeb008b17913fffca648e8efb0daf1",
+}
 
 
 def test_bad_key_seeds_are_refused():
@@ -310,9 +328,10 @@ def test_handshake_buffer_is_bounded_while_waiting_for_a_max_frame():
 # --- transport
 
 
+@SUITES
 @pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 1000, 65536 - 18, NoiseTransport.MAX_PLAINTEXT])
-def test_transport_round_trip(size):
-    a, b = transports()
+def test_transport_round_trip(size, suite):
+    a, b = transports(suite=suite)
     message = bytes(range(256)) * (size // 256) + bytes(size % 256)
     frame = seal(a, message)
     assert len(frame) == size + 18 and frame[:2] == (size + 16).to_bytes(2, "big")
@@ -364,9 +383,10 @@ def test_open_into_stops_when_out_is_full():
         b.open_into(memoryview(seal(a, b"z" * 100)), memoryview(bytearray(10)))
 
 
+@SUITES
 @pytest.mark.parametrize("position", [0, 2, 10, -1])
-def test_tampered_ciphertext_is_refused(position):
-    a, b = transports()
+def test_tampered_ciphertext_is_refused(position, suite):
+    a, b = transports(suite=suite)
     frame = bytearray(seal(a, b"attack at dawn"))
     if position == 0:
         frame[1] ^= 1  # the length: the frame now ends one byte early or late
@@ -407,8 +427,9 @@ def test_nonce_exhaustion():
         b.open_into(memoryview(b"\x00\x10" + bytes(16)), memoryview(bytearray(18)))
 
 
-def test_nonce_is_four_zero_bytes_then_little_endian_counter():
-    assert noise._NONCE.pack(0x0102030405060708) == bytes(4) + bytes([8, 7, 6, 5, 4, 3, 2, 1])
+def test_nonce_is_four_zero_bytes_then_the_counter_little_endian_for_chachapoly_big_endian_for_aesgcm():
+    assert noise.CHACHAPOLY_SUITE.nonce.pack(0x0102030405060708) == bytes(4) + bytes([8, 7, 6, 5, 4, 3, 2, 1])
+    assert noise.AESGCM_SUITE.nonce.pack(0x0102030405060708) == bytes(4) + bytes([1, 2, 3, 4, 5, 6, 7, 8])
 
 
 def test_seal_into_writes_at_an_offset_of_a_shared_buffer():

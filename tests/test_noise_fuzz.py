@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from plexus.p2p.identity import PrivateKey
 from plexus.p2p.protocols.errors import RemoteProtocolError
-from plexus.p2p.protocols.noise import MAX_MESSAGE, NoiseError, NoiseHandshake, NoiseTransport, State
+from plexus.p2p.protocols.noise import (
+    AESGCM_SUITE, CHACHAPOLY_SUITE, MAX_MESSAGE, CipherSuite, NoiseError, NoiseHandshake, NoiseTransport, State,
+)
 
 pytestmark = pytest.mark.timeout(60)
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -21,9 +23,9 @@ KEYS = {
 }
 
 
-def fixed_core(initiator: bool) -> NoiseHandshake:
+def fixed_core(initiator: bool, suite: CipherSuite = CHACHAPOLY_SUITE) -> NoiseHandshake:
     key, seeds = KEYS[initiator]
-    return NoiseHandshake(key, initiator=initiator, **seeds)
+    return NoiseHandshake(key, initiator=initiator, suite=suite, **seeds)
 
 
 def real_frames() -> list[bytes]:
@@ -132,18 +134,21 @@ def test_the_proper_sequence_always_completes_and_keeps_the_rest(extra, cuts):
     assert responder.to_transport().pending == extra
 
 
-def transport_pair() -> tuple[NoiseTransport, NoiseTransport]:
-    initiator, responder = fixed_core(True), fixed_core(False)
-    responder.receive_data(FRAMES[0])
-    initiator.receive_data(FRAMES[1])
-    responder.receive_data(FRAMES[2])
+def transport_pair(suite: CipherSuite) -> tuple[NoiseTransport, NoiseTransport]:
+    initiator, responder = fixed_core(True, suite), fixed_core(False, suite)
+    responder.receive_data(initiator.data_to_send())
+    initiator.receive_data(responder.data_to_send())
+    responder.receive_data(initiator.data_to_send())
     return initiator.to_transport(), responder.to_transport()
 
 
+suites = st.sampled_from([CHACHAPOLY_SUITE, AESGCM_SUITE])
+
+
 @FUZZ
-@given(data=st.binary(max_size=3000), valid_prefix=st.lists(st.binary(max_size=200), max_size=3))
-def test_transport_open_into_random_bytes(data, valid_prefix):
-    sender, receiver = transport_pair()
+@given(data=st.binary(max_size=3000), valid_prefix=st.lists(st.binary(max_size=200), max_size=3), suite=suites)
+def test_transport_open_into_random_bytes(data, valid_prefix, suite):
+    sender, receiver = transport_pair(suite)
     stream = bytearray(sum(len(m) + 18 for m in valid_prefix))
     offset = 0
     for message in valid_prefix:
@@ -164,9 +169,10 @@ def test_transport_open_into_random_bytes(data, valid_prefix):
 @given(
     messages=st.lists(st.binary(max_size=3000), max_size=6),
     cuts=st.lists(st.integers(0, 20000), max_size=8),
+    suite=suites,
 )
-def test_transport_reassembles_any_split(messages, cuts):
-    sender, receiver = transport_pair()
+def test_transport_reassembles_any_split(messages, cuts, suite):
+    sender, receiver = transport_pair(suite)
     stream = bytearray(sum(len(m) + 18 for m in messages))
     offset = 0
     for message in messages:

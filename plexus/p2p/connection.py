@@ -1,5 +1,9 @@
 """One libp2p connection: TCP, upgraded with multistream-select to Noise, then to yamux.
 
+Security: the dialer proposes its Noise cipher suites in order of preference (by default AESGCM
+under Plexus's own protocol id, then libp2p's "/noise"), the listener takes the first it also
+has. Another libp2p peer answers "na" to the first, which costs one round trip before "/noise".
+
 Theory of operation. The connection is an asyncio BufferedProtocol reading into one linear
 buffer. During the upgrade, an `_upgrade` coroutine pulls bytes from that buffer and feeds the
 multistream and Noise cores. Once yamux is agreed, every read goes through the fast path in
@@ -46,12 +50,11 @@ from .multiaddr import Multiaddr, from_socket_address
 from .protocols import yamux
 from .protocols.errors import ProtocolError, RemoteProtocolError
 from .protocols.multistream import MultistreamDialer, MultistreamListener
-from .protocols.noise import NoiseHandshake, NoiseTransport
+from .protocols.noise import AESGCM_SUITE, CHACHAPOLY_SUITE, CipherSuite, NoiseHandshake, NoiseTransport
 from .stream import Stream
 
 logger = get_logger(__name__)
 
-NOISE_PROTOCOL = "/noise"
 YAMUX_PROTOCOL = "/yamux/1.0.0"
 RECEIVE_BUFFER_SIZE = 1 << 20
 MAX_PLAINTEXT_BUFFERS = 4  # per connection: RECEIVE_BUFFER_SIZE each, held by unread stream data
@@ -77,8 +80,11 @@ class Connection(asyncio.BufferedProtocol):
     """A secured, multiplexed connection to one peer. Created by the Host."""
 
     def __init__(self, local_key: PrivateKey, *, initiator: bool, expected_peer: PeerID | None = None,
-                 on_stream=None, on_close=None, max_streams: int = 512):
+                 on_stream=None, on_close=None, max_streams: int = 512,
+                 noise_suites: tuple[CipherSuite, ...] = (AESGCM_SUITE, CHACHAPOLY_SUITE)):
         self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
+        self.noise_suites = noise_suites  # most preferred first
+        self.noise_suite: CipherSuite | None = None  # the one agreed on
         self.remote_peer: PeerID | None = None
         self.remote_public_key = None
         self.remote_addr: Multiaddr | None = None
@@ -164,8 +170,10 @@ class Connection(asyncio.BufferedProtocol):
         """Negotiate Noise, authenticate the peer, negotiate yamux. Raises on any failure."""
         try:
             await self._made.wait()
-            await self._negotiate_plaintext(NOISE_PROTOCOL)
-            handshake = NoiseHandshake(self.local_key, initiator=self.initiator, expected_peer=self.expected_peer)
+            suites = {suite.protocol_id: suite for suite in self.noise_suites}
+            self.noise_suite = suites[await self._negotiate_plaintext(list(suites))]
+            handshake = NoiseHandshake(self.local_key, initiator=self.initiator, expected_peer=self.expected_peer,
+                                       suite=self.noise_suite)
             self._write_raw(handshake.data_to_send())
             while not handshake.complete:
                 handshake.receive_data(await self._read_raw())
@@ -182,13 +190,14 @@ class Connection(asyncio.BufferedProtocol):
         if leftover or self._start < self._end:
             self._plain_input(leftover)
 
-    async def _negotiate_plaintext(self, protocol: str) -> None:
-        core = MultistreamDialer([protocol]) if self.initiator else MultistreamListener([protocol])
+    async def _negotiate_plaintext(self, protocols: list[str]) -> str:
+        core = MultistreamDialer(protocols) if self.initiator else MultistreamListener(protocols)
         self._write_raw(core.data_to_send())
         while core.selected is None:
             core.receive_data(await self._read_raw())
             self._write_raw(core.data_to_send())
         self._prepend_raw(core.unused_data)
+        return core.selected
 
     async def _negotiate_encrypted(self, protocol: str) -> bytes:
         core = MultistreamDialer([protocol]) if self.initiator else MultistreamListener([protocol])

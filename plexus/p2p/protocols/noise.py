@@ -4,10 +4,17 @@ Theory of operation
 -------------------
 Spec: libp2p noise-libp2p (github.com/libp2p/specs, noise/README.md, r4) on top of the Noise Protocol
 Framework rev. 34 (noiseprotocol.org/noise.html, sections 5 "Processing rules" and 7.5 "XX"), with
-the one cipher suite libp2p uses, Noise_XX_25519_ChaChaPoly_SHA256, and an empty prologue.
+the cipher suite libp2p uses, Noise_XX_25519_ChaChaPoly_SHA256, and an empty prologue.
+
+Cipher functions. libp2p's "/noise" is ChaChaPoly, and every libp2p peer speaks it. Plexus peers
+also speak Noise_XX_25519_AESGCM_SHA256 under their own protocol id (`AESGCM_SUITE`): the same
+handshake and libp2p payloads with the Noise spec's AESGCM cipher function (AES-256-GCM, nonce = 4
+zero bytes then the counter big-endian). With AES instructions it runs at 8-9 GB/s here against
+ChaCha20-Poly1305's 3 GB/s, and encryption is a third of an all-reduce's CPU time. The connection
+offers both, preferred first (multistream-select), so a peer that knows only "/noise" gets "/noise".
 
 Wire: every handshake and transport message is a 2-byte big-endian length, then that many bytes
-(at most 65535, the 16-byte Poly1305 tag included). The XX pattern, three messages:
+(at most 65535, the 16-byte authentication tag included). The XX pattern, three messages:
 
     initiator -> responder   msg1: e
     responder -> initiator   msg2: e, ee, s, es, payload
@@ -34,11 +41,12 @@ maximum frame plus its 2-byte length. Nonces are 64-bit counters; 2**64 - 1 is r
 and using it is an error (after 2**64 - 1 messages, which no real connection reaches).
 
 Left out: the optional extensions (WebTransport certhashes, early stream-muxer negotiation) are
-neither sent nor read; their field is skipped on receipt. Other Noise patterns and cipher suites
-are not supported, as libp2p uses only this one. The core does no I/O and draws no randomness of
+neither sent nor read; their field is skipped on receipt. Other Noise patterns, DH and hash
+functions are not supported. The core does no I/O and draws no randomness of
 its own beyond X25519PrivateKey.generate() when no key is injected.
 """
 
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -47,13 +55,12 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
 from ..identity import IdentityError, PeerID, PrivateKey, PublicKey
 from . import pb
 from .errors import LocalProtocolError, RemoteProtocolError
 
-PROTOCOL_NAME = b"Noise_XX_25519_ChaChaPoly_SHA256"  # exactly 32 bytes: h starts as the name itself
 STATIC_KEY_PREFIX = b"noise-libp2p-static-key:"
 MAX_MESSAGE = 65535  # ciphertext incl. tag, as the 2-byte length allows
 TAG = 16
@@ -62,7 +69,22 @@ MAX_NONCE = 2**64 - 1  # reserved by the Noise spec: never used
 PAYLOAD_SCHEMA = {"identity_key": (1, "bytes"), "identity_sig": (2, "bytes")}  # extensions (4): skipped
 
 _LENGTH = struct.Struct(">H")
-_NONCE = struct.Struct("<4xQ")  # 4 zero bytes, then the counter little-endian
+HASH_LEN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class CipherSuite:
+    """A Noise cipher function, and the multistream protocol id under which peers agree on it."""
+
+    protocol_id: str
+    protocol_name: bytes  # Noise's name for the whole suite: hashed into the handshake
+    aead: type  # a `cryptography` AEAD class taking a 32-byte key
+    nonce: struct.Struct  # packs the 64-bit counter into the 12-byte nonce
+
+
+CHACHAPOLY_SUITE = CipherSuite("/noise", b"Noise_XX_25519_ChaChaPoly_SHA256", ChaCha20Poly1305, struct.Struct("<4xQ"))
+AESGCM_SUITE = CipherSuite("/plexus/noise-aesgcm/1.0.0", b"Noise_XX_25519_AESGCM_SHA256", AESGCM, struct.Struct(">4xQ"))
+SUITES = {"AESGCM": AESGCM_SUITE, "ChaChaPoly": CHACHAPOLY_SUITE}  # by Noise's name of the cipher function
 
 
 class NoiseError(RemoteProtocolError):
@@ -91,10 +113,11 @@ def _hkdf(chaining_key: bytes, ikm: bytes) -> tuple[bytes, bytes]:
 class _SymmetricState:
     """Noise's SymmetricState: chaining key, handshake hash and the current handshake cipher."""
 
-    def __init__(self):
-        self.h = PROTOCOL_NAME
+    def __init__(self, suite: CipherSuite):
+        self.suite = suite
+        self.h = suite.protocol_name.ljust(HASH_LEN, b"\0")  # a name of at most HASH_LEN bytes, padded
         self.ck = self.h
-        self.cipher: ChaCha20Poly1305 | None = None
+        self.cipher = None
         self.n = 0
         self.mix_hash(b"")  # the empty prologue
 
@@ -103,13 +126,13 @@ class _SymmetricState:
 
     def mix_key(self, ikm: bytes) -> None:
         self.ck, key = _hkdf(self.ck, ikm)
-        self.cipher, self.n = ChaCha20Poly1305(key), 0
+        self.cipher, self.n = self.suite.aead(key), 0
 
     def encrypt_and_hash(self, plaintext: bytes) -> bytes:
         if self.cipher is None:
             ciphertext = plaintext
         else:
-            ciphertext = self.cipher.encrypt(_NONCE.pack(self.n), plaintext, self.h)
+            ciphertext = self.cipher.encrypt(self.suite.nonce.pack(self.n), plaintext, self.h)
             self.n += 1
         self.mix_hash(ciphertext)
         return ciphertext
@@ -119,7 +142,7 @@ class _SymmetricState:
             plaintext = ciphertext
         else:
             try:
-                plaintext = self.cipher.decrypt(_NONCE.pack(self.n), ciphertext, self.h)
+                plaintext = self.cipher.decrypt(self.suite.nonce.pack(self.n), ciphertext, self.h)
             except InvalidTag:
                 raise NoiseError(
                     f"could not decrypt the peer's {what}: wrong key or tampered message"
@@ -159,11 +182,10 @@ class NoiseHandshake:
         local_key: our libp2p identity, which signs our Noise static key.
         initiator: True on the dialing side; its msg1 is queued at once.
         expected_peer: the peer id we dialled, if known; any other identity is refused.
+        suite: the cipher suite both sides agreed on (by its protocol id) before the handshake.
         static_key, ephemeral_key: 32-byte X25519 private keys to use instead of fresh random ones
             (for reproducible transcripts in tests; never reuse an ephemeral key in production).
     """
-
-    PROTOCOL_ID = "/noise"
 
     def __init__(
         self,
@@ -171,6 +193,7 @@ class NoiseHandshake:
         *,
         initiator: bool,
         expected_peer: PeerID | None = None,
+        suite: CipherSuite = CHACHAPOLY_SUITE,
         static_key: bytes | None = None,
         ephemeral_key: bytes | None = None,
     ):
@@ -184,7 +207,7 @@ class NoiseHandshake:
         self._ephemeral = _x25519(ephemeral_key, "ephemeral_key")
         self._ephemeral_public = _public_bytes(self._ephemeral)
         self._remote_ephemeral = b""
-        self._symmetric = _SymmetricState()
+        self._symmetric = _SymmetricState(suite)
         self._buffer = bytearray()
         self._outbox = bytearray()
         self._error: NoiseError | None = None
@@ -248,7 +271,7 @@ class NoiseHandshake:
             send_key, receive_key = initiator_key, responder_key
         else:
             send_key, receive_key = responder_key, initiator_key
-        transport = NoiseTransport(send_key, receive_key, pending=bytes(self._buffer))
+        transport = NoiseTransport(send_key, receive_key, suite=self._symmetric.suite, pending=bytes(self._buffer))
         transport.remote_peer_id, transport.remote_public_key = self.remote_peer_id, self.remote_public_key
         transport.handshake_hash = self._symmetric.h
         self._buffer = bytearray()
@@ -376,9 +399,12 @@ class NoiseTransport:
 
     MAX_PLAINTEXT = MAX_MESSAGE - TAG
 
-    def __init__(self, send_key: bytes, receive_key: bytes, *, pending: bytes = b""):
-        self._send = ChaCha20Poly1305(send_key)
-        self._receive = ChaCha20Poly1305(receive_key)
+    def __init__(self, send_key: bytes, receive_key: bytes, *, suite: CipherSuite = CHACHAPOLY_SUITE,
+                 pending: bytes = b""):
+        self.suite = suite
+        self._send = suite.aead(send_key)
+        self._receive = suite.aead(receive_key)
+        self._pack_nonce = suite.nonce.pack
         self._send_nonce = 0
         self._receive_nonce = 0
         self._error: NoiseError | None = None
@@ -404,7 +430,7 @@ class NoiseTransport:
         end = offset + 2 + size + TAG
         _LENGTH.pack_into(out, offset, size + TAG)
         destination = memoryview(out)[offset + 2 : end]
-        self._send.encrypt_into(_NONCE.pack(self._send_nonce), plaintext, None, destination)
+        self._send.encrypt_into(self._pack_nonce(self._send_nonce), plaintext, None, destination)
         self._send_nonce += 1
         return end
 
@@ -421,7 +447,7 @@ class NoiseTransport:
         data, out = memoryview(data), memoryview(out)
         consumed = written = 0
         available, room = len(data), len(out)
-        decrypt_into, nonce = self._receive.decrypt_into, self._receive_nonce
+        decrypt_into, pack_nonce, nonce = self._receive.decrypt_into, self._pack_nonce, self._receive_nonce
         try:
             while available - consumed >= 2:
                 (length,) = _LENGTH.unpack_from(data, consumed)
@@ -439,7 +465,7 @@ class NoiseTransport:
                     raise NoiseError("Noise receive nonce exhausted; the peer must open a new connection")
                 try:
                     ciphertext, destination = data[consumed + 2 : end], out[written : written + size]
-                    decrypt_into(_NONCE.pack(nonce), ciphertext, None, destination)
+                    decrypt_into(pack_nonce(nonce), ciphertext, None, destination)
                 except InvalidTag:
                     raise NoiseError(
                         f"Noise frame {nonce} failed authentication: tampered, reordered or not encrypted"

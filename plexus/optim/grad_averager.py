@@ -101,6 +101,7 @@ class GradientAverager(DecentralizedAverager):
                          start=False, **averager_kwargs)
         if averaged_grads:
             self._tensors = averaged_grads  # average in place into the caller's buffers, no copy
+            self._publish_in_place = True
         if start:
             self.run_in_background()
 

@@ -234,7 +234,10 @@ def test_lookups_stop_waiting_for_silent_peers_long_before_the_request_timeout()
         assert reader.latency.straggler_timeout() < 1.0  # learnt from the answers so far
         loop = asyncio.get_running_loop()
         started = loop.time()
-        assert (await reader.get("k", latest=True)).value == "v"
+        # A beam of 10: a beam that cannot fill keeps waiting for its stragglers, by design (they may be
+        # all it has left), and in ~3% of these random 30-node swarms the reader learns of only ~19 live
+        # peers, short of the default 20.
+        assert (await reader.get("k", latest=True, beam_size=10)).value == "v"
         assert loop.time() - started < 2.5, "the lookup waited for the silent peers' full timeout"
         await shutdown(nodes)
 

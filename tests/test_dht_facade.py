@@ -76,6 +76,18 @@ def test_bootstrap_failure_names_every_address():
         DHT(initial_peers=[dead], start=True, host_maddrs=LOCAL)
 
 
+def test_a_peer_that_offers_only_chachapoly_joins_and_bad_cipher_names_fail_at_once():
+    with pytest.raises(ValueError, match="noise_ciphers must name"):
+        DHT(host_maddrs=LOCAL, noise_ciphers=("AES128",))
+    with DHT(start=True, host_maddrs=LOCAL) as first, \
+            DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL,
+                noise_ciphers=("ChaChaPoly",)) as second:
+        assert second.store("key", "value", get_dht_time() + 30)
+        assert first.get("key", latest=True).value == "value"
+        connection = first.host._connections[second.peer_id][0]
+        assert connection.noise_suite.protocol_id == "/noise"
+
+
 def test_identity_path_keeps_the_peer_id(tmp_path):
     with DHT(start=True, host_maddrs=LOCAL, identity_path=tmp_path / "id.key") as first:
         peer_id = first.peer_id

@@ -99,7 +99,7 @@ def test_handshake_authenticates_both_sides(one_byte_at_a_time, suite):
 
 
 def test_sides_with_different_cipher_suites_fail_cleanly():
-    initiator, responder = make_pair(suite=noise.AESGCM_SUITE)
+    initiator, _ = make_pair(suite=noise.AESGCM_SUITE)
     responder = NoiseHandshake(BOB, initiator=False, suite=noise.CHACHAPOLY_SUITE)
     responder.receive_data(initiator.data_to_send())  # msg1 is in clear: only its hash differs
     with pytest.raises(NoiseError, match="could not decrypt the peer's static key"):

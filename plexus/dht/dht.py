@@ -29,7 +29,7 @@ from typing import Any
 
 from ..p2p.autonat import AutoNAT, AutoNATService
 from ..p2p.dcutr import HolePuncher
-from ..p2p.host import DialError, Host
+from ..p2p.host import DialError, Host, HostOptions
 from ..p2p.identity import PeerID, PrivateKey, load_or_create_identity
 from ..p2p.multiaddr import Multiaddr, MultiaddrError
 from ..p2p.protocols import autonat as autonat_core
@@ -68,7 +68,7 @@ class DHT:
                  auto_nat: bool = True, force_reachability: str | None = None,
                  relay_service: bool | RelayLimits = True, hole_punching: bool = True,
                  use_ipfs: bool = False, ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
-                 **node_options):
+                 noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, **node_options):
         """
         Args (besides hivemind's DHT ones):
             client_mode: True: only dial out, take part as a client; None: decide at start (a peer
@@ -83,6 +83,8 @@ class DHT:
             hole_punching: upgrade relayed connections to direct ones (DCUtR) when `use_relay`.
             use_ipfs: find initial peers given as /p2p/<peer id> through the libp2p Kademlia DHT.
             ipfs_bootstrap_peers: where to join that DHT (default: the public IPFS bootstrap peers).
+            noise_ciphers: Noise cipher functions to offer, most preferred first (`HostOptions`); put
+                "ChaChaPoly" first on a CPU without AES instructions.
         """
         if force_reachability not in (None, "public", "private"):
             raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")
@@ -90,6 +92,7 @@ class DHT:
         self._client_mode = client_mode
         self.host_maddrs = tuple(host_maddrs) if client_mode is not True else ()
         self.announce_maddrs = tuple(announce_maddrs)
+        self.noise_ciphers = HostOptions(noise_ciphers=tuple(noise_ciphers)).noise_ciphers  # checked here, not at start
         self.use_relay, self.use_auto_relay, self.auto_nat = use_relay, use_auto_relay, auto_nat
         trusted_relays = node_options.pop("trusted_relays", None)  # hivemind's name for them
         self.relays = [Multiaddr(addr) for addr in relays or trusted_relays or ()]
@@ -137,7 +140,7 @@ class DHT:
     async def _start(self) -> None:
         listening = bool(self.host_maddrs)
         self.host = await Host(self.private_key, host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
-                               reuse_port=self.hole_punching and listening).start()
+                               reuse_port=self.hole_punching and listening, noise_ciphers=self.noise_ciphers).start()
         try:
             self._start_nat_components(listening)
             if self.use_ipfs:

@@ -92,11 +92,13 @@ class DHT:
         self._client_mode = client_mode
         self.host_maddrs = tuple(host_maddrs) if client_mode is not True else ()
         self.announce_maddrs = tuple(announce_maddrs)
-        self.noise_ciphers = HostOptions(noise_ciphers=tuple(noise_ciphers)).noise_ciphers  # checked here, not at start
         self.use_relay, self.use_auto_relay, self.auto_nat = use_relay, use_auto_relay, auto_nat
         trusted_relays = node_options.pop("trusted_relays", None)  # hivemind's name for them
         self.relays = [Multiaddr(addr) for addr in relays or trusted_relays or ()]
         self.force_reachability, self.hole_punching = force_reachability, hole_punching and use_relay
+        self.host_options = HostOptions(  # checked here, not at start
+            host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
+            reuse_port=self.hole_punching and bool(self.host_maddrs), noise_ciphers=tuple(noise_ciphers))
         self.relay_limits = relay_service if isinstance(relay_service, RelayLimits) else \
             RelayLimits() if relay_service else None
         self.use_ipfs, self.ipfs_bootstrap_peers = use_ipfs, ipfs_bootstrap_peers
@@ -139,8 +141,7 @@ class DHT:
 
     async def _start(self) -> None:
         listening = bool(self.host_maddrs)
-        self.host = await Host(self.private_key, host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
-                               reuse_port=self.hole_punching and listening, noise_ciphers=self.noise_ciphers).start()
+        self.host = await Host(self.private_key, self.host_options).start()
         try:
             self._start_nat_components(listening)
             if self.use_ipfs:

@@ -50,7 +50,7 @@ from .multiaddr import Multiaddr, from_socket_address
 from .protocols import yamux
 from .protocols.errors import ProtocolError, RemoteProtocolError
 from .protocols.multistream import MultistreamDialer, MultistreamListener
-from .protocols.noise import AESGCM_SUITE, CHACHAPOLY_SUITE, CipherSuite, NoiseHandshake, NoiseTransport
+from .protocols.noise import SUITES, CipherSuite, NoiseHandshake, NoiseTransport
 from .stream import Stream
 
 logger = get_logger(__name__)
@@ -81,7 +81,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def __init__(self, local_key: PrivateKey, *, initiator: bool, expected_peer: PeerID | None = None,
                  on_stream=None, on_close=None, max_streams: int = 512,
-                 noise_suites: tuple[CipherSuite, ...] = (AESGCM_SUITE, CHACHAPOLY_SUITE)):
+                 noise_suites: tuple[CipherSuite, ...] = tuple(SUITES.values())):
         self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
         self.noise_suites = noise_suites  # most preferred first
         self.noise_suite: CipherSuite | None = None  # the one agreed on

@@ -63,7 +63,7 @@ class HostOptions:
     reuse_port: bool = False
     """Let outgoing sockets bind our listening ports (SO_REUSEPORT, set once each listener is bound, so a
     second listener on the same port still fails): hole punching (plexus/p2p/dcutr.py) dials from them."""
-    noise_ciphers: tuple[str, ...] = ("AESGCM", "ChaChaPoly")
+    noise_ciphers: tuple[str, ...] = tuple(noise.SUITES)
     """Noise cipher functions to offer, most preferred first. ChaChaPoly is libp2p's "/noise", which every
     libp2p peer speaks; AESGCM, which Plexus peers also speak, is 2-3x faster on CPUs with AES instructions."""
 

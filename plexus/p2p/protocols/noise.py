@@ -84,7 +84,7 @@ class CipherSuite:
 
 CHACHAPOLY_SUITE = CipherSuite("/noise", b"Noise_XX_25519_ChaChaPoly_SHA256", ChaCha20Poly1305, struct.Struct("<4xQ"))
 AESGCM_SUITE = CipherSuite("/plexus/noise-aesgcm/1.0.0", b"Noise_XX_25519_AESGCM_SHA256", AESGCM, struct.Struct(">4xQ"))
-SUITES = {"AESGCM": AESGCM_SUITE, "ChaChaPoly": CHACHAPOLY_SUITE}  # by Noise's name of the cipher function
+SUITES = {"AESGCM": AESGCM_SUITE, "ChaChaPoly": CHACHAPOLY_SUITE}  # by Noise's cipher name, preferred first
 
 
 class NoiseError(RemoteProtocolError):

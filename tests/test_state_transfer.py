@@ -29,7 +29,7 @@ from plexus.averaging.state_download import (
     load_state_from_peers,
     parse_declaration,
 )
-from plexus.averaging.state_sharing import StateSharing
+from plexus.averaging.state_sharing import MAX_SNAPSHOTS, StateSharing
 from plexus.compression import Float16Compression
 from plexus.dht.node import DHTNode
 from plexus.dht.p2p_transport import HostDHTTransport
@@ -600,6 +600,26 @@ def test_newcomer_takes_the_newest_state_even_when_its_declaration_lags():
 
 
 @pytest.mark.timeout(30)
+def test_a_donor_whose_snapshots_are_all_in_use_still_serves_its_new_epoch():
+    """With MAX_SNAPSHOTS in use a donor serves its newest snapshot a little stale, but not one of an
+    older priority: a newcomer asking for the new epoch would refuse it again and again."""
+    async def main():
+        async with swarm(2) as (donor, newcomer):
+            metadata, tensors = make_state()
+            sharing = await share(donor, (metadata, tensors), priority=1)
+            for _ in range(MAX_SNAPSHOTS + 1):  # every later load finds the snapshots in use
+                await load(newcomer)
+                sharing.state_changed()
+            assert sharing.snapshots_taken == MAX_SNAPSHOTS
+            sharing.priority = 2
+            _, loaded = await load(newcomer, min_priority=2)
+            assert_same(tensors, loaded)
+            assert sharing.snapshots_taken == MAX_SNAPSHOTS + 1 and len(sharing._snapshots) == MAX_SNAPSHOTS
+            await sharing.shutdown()
+
+    run(main())
+
+
 def test_min_priority_above_every_donor_fails_clearly():
     async def main():
         async with swarm(3) as (a, b, newcomer):

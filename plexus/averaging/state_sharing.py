@@ -19,8 +19,11 @@ No lock is held across an await, so donors keep serving while they average. Seri
 the priority read together with the state, which newcomers trust over the DHT declaration (that
 one may lag a step behind). Concurrent requests share one being built, so a crowd of newcomers
 costs one snapshot. At most `MAX_SNAPSHOTS` are kept; one nobody has fetched from for
-`snapshot_retention` seconds is dropped, and a newer one is never built by evicting one still in
-use (the newest is served instead, a little stale). At most `max_concurrent_uploads` CHUNKS
+`snapshot_retention` seconds is dropped, and a newer one is not built by evicting one still in use
+(the newest is served instead, a little stale) unless the priority moved on: a snapshot of an older
+epoch than the donor's is never served, as newcomers asking for the swarm's epoch (`min_priority`)
+would refuse it; the least recently used one goes, and its downloaders ask for a fresh manifest.
+At most `max_concurrent_uploads` CHUNKS
 requests are served at once; more get BUSY, and the newcomer backs off or fetches elsewhere.
 """
 
@@ -355,7 +358,8 @@ class StateSharing:
         if self._snapshots:
             newest = self._snapshots[-1]
             fresh = now - newest.created <= self.snapshot_max_age and newest.version == self._version
-            if fresh or len(self._snapshots) >= MAX_SNAPSHOTS:
+            behind = newest.manifest.priority != self._priority
+            if fresh or (len(self._snapshots) >= MAX_SNAPSHOTS and not behind):
                 newest.last_used = now
                 return newest
         if self._building is None:
@@ -377,6 +381,8 @@ class StateSharing:
             now = self._loop.time()
             reply = StateReply(ReplyStatus.OK, manifest=manifest).encode()
             snapshot = _Snapshot(manifest, reply, chunks, now, now, version)
+            if len(self._snapshots) >= MAX_SNAPSHOTS:  # only when the priority moved on (see the module comment)
+                self._snapshots.remove(min(self._snapshots, key=lambda old: old.last_used))
             self._snapshots.append(snapshot)
             self.snapshots_taken += 1
             self._schedule_sweep()

@@ -58,25 +58,26 @@ def test_weighted_means_and_gather(n):
         close(*averagers, *dhts)
 
 
-def test_consecutive_rounds_average_what_the_tensors_hold_at_each_round():
-    """A round's result takes the tensors' place and the old tensors become the next working copy:
-    the next round must start from what get_tensors() holds then, not from either stale buffer."""
+def test_rounds_average_the_callers_own_tensors_in_place():
+    """As in hivemind, the averaged tensors are the caller's own (a strided view too): each round
+    leaves its result in them, and the next round starts from whatever they hold then."""
     dhts = make_swarm(2)
-    averagers = [DecentralizedAverager(tensors_of(i), dht, prefix="rounds", target_group_size=2, start=True, **FAST)
+    local = [[tensors_of(i)[0], tensors_of(i)[1].t()] for i in range(2)]
+    averagers = [DecentralizedAverager(local[i], dht, prefix="rounds", target_group_size=2, start=True, **FAST)
                  for i, dht in enumerate(dhts)]
     try:
-        expected = [(a + b) / 2 for a, b in zip(tensors_of(0)[:2], tensors_of(1)[:2])]
+        expected = [(a + b) / 2 for a, b in zip(*local)]
         for round_index in range(3):
             for control in [averager.step(wait=False, timeout=20) for averager in averagers]:
                 control.result()
-            for averager in averagers:
-                with averager.get_tensors() as tensors:
-                    for tensor, target in zip(tensors, expected):
-                        assert torch.allclose(tensor, target.to(tensor.dtype), atol=1e-5), (round_index, tensor, target)
-            for i, averager in enumerate(averagers):  # new local values for the next round
-                with averager.get_tensors() as tensors:
-                    for tensor in tensors:
-                        tensor.mul_(i + 2)
+            for averager, tensors in zip(averagers, local):
+                for tensor, target in zip(tensors, expected):
+                    assert torch.allclose(tensor, target, atol=1e-5), (round_index, tensor, target)
+                with averager.get_tensors() as yielded:
+                    assert [t.data_ptr() for t in yielded] == [t.data_ptr() for t in tensors]
+            for i, tensors in enumerate(local):  # new local values for the next round
+                for tensor in tensors:
+                    tensor.mul_(i + 2)
             expected = [target * (2 + 3) / 2 for target in expected]
     finally:
         close(*averagers, *dhts)

@@ -2,13 +2,12 @@
 
 One step is: matchmaking through the DHT (`matchmaking.py`) forms a group, the members' gathered
 data decide how the vector is split (`load_balancing.py`, by bandwidth), and a butterfly
-all-reduce (`allreduce.py`) averages it. The all-reduce works on a private copy of the tensors,
-taken under the tensors' lock, and the averaged copy then takes the tensors' place (the old ones
-become the next round's copy) in a second short critical section, so the lock is never held across
-a round: state downloads (`state_sharing.py`) and the training thread see either the state before a
-round or the state after it, never a half-averaged mix. So `get_tensors()` may yield other tensor
-objects after a round: use them inside its block. Only buffers a subclass borrowed from its caller
-(`_publish_in_place`) get the result copied into them instead.
+all-reduce (`allreduce.py`) averages it. The averaged tensors are the caller's own, as in hivemind:
+a round copies them into a private working copy under the tensors' lock, averages the copy, and
+copies the result back in a second short critical section, so the lock is never held across a
+round: state downloads (`state_sharing.py`) and the training thread see either the state before a
+round or the state after it, never a half-averaged mix. One working copy is all the memory an
+averager adds besides the transport's buffers.
 
 Everything runs on the DHT's event loop; `step`, `load_state_from_peers` and friends are thread-
 safe, blocking calls (or return futures), as in hivemind.
@@ -77,12 +76,12 @@ class DecentralizedAverager:
         if auxiliary and self.client_mode:
             raise ValueError("an auxiliary peer reduces parts for others, so it cannot be in client mode")
         self.mode = AveragingMode.CLIENT if self.client_mode else AveragingMode.AUX if auxiliary else AveragingMode.NODE
-        self._tensors = [tensor.detach().cpu().clone().contiguous() for tensor in averaged_tensors]
+        self._tensors = [tensor.detach() for tensor in averaged_tensors]  # the caller's: results land there
         for tensor in self._tensors:
             if not tensor.is_floating_point():
                 raise ValueError(f"only floating-point tensors can be averaged, got {tensor.dtype}")
-        self._work = [torch.zeros_like(tensor) for tensor in self._tensors]  # pages touched now, not mid-round
-        self._publish_in_place = False  # True when self._tensors are the caller's buffers: copy results in
+        # contiguous CPU buffers, their pages touched now rather than mid-round
+        self._work = [torch.zeros(tensor.shape, dtype=tensor.dtype) for tensor in self._tensors]
         self._lock = threading.Lock()
         self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
             CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]
@@ -161,8 +160,8 @@ class DecentralizedAverager:
 
     @contextlib.contextmanager
     def get_tensors(self):
-        """The averaged tensors, locked: use them only inside this block (a round puts its result
-        in their place, as other tensor objects)."""
+        """The averaged tensors (the ones given to the constructor), locked: a round never writes
+        them while this block runs."""
         with self._lock:
             yield self._tensors
 
@@ -329,8 +328,7 @@ class DecentralizedAverager:
 
     @contextlib.asynccontextmanager
     async def _working_copy(self):
-        """Run the round on private copies; publish the result in one short critical section (a swap:
-        copying 400 MiB back took ~0.07 s of a 0.75 s round of two peers)."""
+        """Run the round on a private copy; publish the result in one short critical section."""
         await self._acquire_lock()
         try:
             for work, tensor in zip(self._work, self._tensors):
@@ -340,11 +338,8 @@ class DecentralizedAverager:
         yield self._work
         await self._acquire_lock()
         try:
-            if self._publish_in_place:
-                for work, tensor in zip(self._work, self._tensors):
-                    tensor.copy_(work)
-            else:
-                self._tensors, self._work = self._work, self._tensors
+            for work, tensor in zip(self._work, self._tensors):
+                tensor.copy_(work)
             self._state_sharing.state_changed()
         finally:
             self._lock.release()

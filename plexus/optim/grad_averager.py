@@ -96,14 +96,7 @@ class GradientAverager(DecentralizedAverager):
         buffers = averaged_grads or [torch.zeros(param.shape, dtype=param.dtype) for param in self.parameters]
         infos = [CompressionInfo.from_tensor(buffer, key=index, role=TensorRole.GRADIENT)
                  for index, buffer in enumerate(buffers)]
-        start = averager_kwargs.pop("start", False)
-        super().__init__(buffers, dht, prefix=prefix, client_mode=client_mode, tensor_infos=infos,
-                         start=False, **averager_kwargs)
-        if averaged_grads:
-            self._tensors = averaged_grads  # average in place into the caller's buffers, no copy
-            self._publish_in_place = True
-        if start:
-            self.run_in_background()
+        super().__init__(buffers, dht, prefix=prefix, client_mode=client_mode, tensor_infos=infos, **averager_kwargs)
 
     def _check_averaged_grads(self, averaged_grads: list[torch.Tensor]) -> None:
         if len(averaged_grads) != len(self.parameters):

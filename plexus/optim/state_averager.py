@@ -163,7 +163,7 @@ class TrainingStateAverager(DecentralizedAverager):
         self._load_lock = threading.Lock()
 
         with torch.no_grad():
-            averaged_tensors = [tensor.detach() for tensor in self._local_tensors()]
+            averaged_tensors = [tensor.detach().clone() for tensor in self._local_tensors()]  # loaded per round
         super().__init__(averaged_tensors, dht, tensor_infos=self._tensor_infos(), **averager_kwargs)
         self.state_sharing_priority = self._local_epoch
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from plexus.p2p.connection import Connection
+from plexus.p2p.connection import MAX_PLAINTEXT_BUFFERS, Connection
 from plexus.p2p.host import DialError, Host, HostOptions
 from plexus.p2p.identity import PrivateKey, load_or_create_identity
 from plexus.p2p.multiaddr import Multiaddr
@@ -190,12 +190,13 @@ def test_coalesced_small_writes_keep_their_bytes_and_order_with_large_ones():
 
 
 def test_received_data_survives_buffer_reuse_while_readers_hold_it():
-    """Streams keep views of decrypted batches until read. Twenty streams whose reader waits let
-    their windows of data pile up, holding every pooled buffer, so later batches go through the
-    scratch buffer; once read, each stream's bytes must still be exactly the bytes sent."""
+    """Streams keep views of decrypted batches until read. Twenty streams from two peers, whose
+    reader waits, let their windows of data pile up and hold every buffer of the pool that the two
+    connections share, so later batches of both go through the one scratch buffer; once read, each
+    stream's bytes must still be exactly the bytes sent."""
 
     async def main():
-        a, b = await hosts(2)
+        a, b, c = await hosts(3)
         release, received = asyncio.Event(), {}
 
         async def slow_sink(stream):
@@ -207,26 +208,28 @@ def test_received_data_survives_buffer_reuse_while_readers_hold_it():
         b.set_stream_handler("/test/sink/1.0.0", slow_sink)
         addr, sent = b.get_visible_maddrs()[0], {}
 
-        async def send(i: int):
+        async def send(sender: Host, i: int):
             tag, data = i.to_bytes(8, "big"), os.urandom(2 << 20)
             sent[tag] = hashlib.sha256(data).digest()
-            stream = await a.new_stream(addr, "/test/sink/1.0.0", lazy=True)
+            stream = await sender.new_stream(addr, "/test/sink/1.0.0", lazy=True)
             await stream.write(tag + data)
             await stream.close()
             await stream.read_until_eof(limit=0)
 
-        senders = [asyncio.create_task(send(i)) for i in range(20)]
+        senders = [asyncio.create_task(send((a, c)[i % 2], i)) for i in range(20)]
         def buffered() -> int:
-            connection = b.get_connection(a.peer_id)
-            return sum(stream._buffered for stream in connection.streams.values()) if connection else 0
+            connections = [b.get_connection(a.peer_id), b.get_connection(c.peer_id)]
+            return sum(stream._buffered for connection in connections if connection
+                       for stream in connection.streams.values())
 
         while buffered() < 16 << 20:  # every stream's window is full (the test's timeout bounds this)
             await asyncio.sleep(0.01)
-        assert b.get_connection(a.peer_id)._scratch is not None  # the pool ran out on the way
+        assert len(b._decrypt_buffers.pool) == MAX_PLAINTEXT_BUFFERS
+        assert b._decrypt_buffers.scratch is not None  # the pool ran out on the way
         release.set()
         await asyncio.gather(*senders)
         assert received == sent
-        await shutdown(a, b)
+        await shutdown(a, b, c)
 
     run(main())
 

@@ -30,3 +30,24 @@ class BufferPool:
 
     def __len__(self) -> int:
         return len(self._buffers)
+
+
+class DecryptBuffers:
+    """Where a host's connections decrypt received batches: pooled buffers that streams may keep
+    views of, and one scratch buffer for when all are held, whose contents are copied out before
+    the next batch. The event loop decrypts one batch at a time, so all of a host's connections can
+    share them: memory is bounded per host, not per connection (a peer averaging with 7 others
+    held ~35 MiB of them with a pool and a scratch buffer per connection)."""
+
+    def __init__(self, size: int, limit: int):
+        self.pool = BufferPool(size, limit)
+        self.scratch: mmap.mmap | None = None
+
+    def get(self) -> tuple[mmap.mmap, bool]:
+        """A buffer to decrypt into, and whether streams may keep views of it."""
+        buffer = self.pool.get()
+        if buffer is not None:
+            return buffer, True
+        if self.scratch is None:
+            self.scratch = mmap.mmap(-1, self.pool.size)
+        return self.scratch, False

@@ -14,11 +14,12 @@ them into Noise messages of the maximum size, encrypts them into a reusable outp
 a few messages at a time to the socket (see ../../shared notes: transport-performance.md).
 
 Copies. Received payload is copied once, when a reader takes it from its stream: each batch of
-Noise messages is decrypted into a plaintext buffer from a small per-connection pool, and streams
-keep memoryviews of their large pieces (SHARED_PIECE_MIN or more); a buffer goes back to the pool
-when no stream holds a view of it (its reference count says so). Small pieces are copied at once,
-so a few idle bytes never pin a whole buffer, and when every pooled buffer is held the batch goes
-to a scratch buffer and is copied out, so memory stays bounded by MAX_PLAINTEXT_BUFFERS. Output
+Noise messages is decrypted into a plaintext buffer from a small pool shared by the host's
+connections (`DecryptBuffers`), and streams keep memoryviews of their large pieces
+(SHARED_PIECE_MIN or more); a buffer goes back to the pool when no stream holds a view of it (its
+reference count says so). Small pieces are copied at once, so a few idle bytes never pin a whole
+buffer, and when every pooled buffer is held the batch goes to a scratch buffer and is copied out,
+so memory stays bounded by MAX_PLAINTEXT_BUFFERS per host however many connections it has. Output
 buffers come from a second pool: one is reused after each write unless the transport kept a view
 of it (asyncio does on Python 3.12+, until the bytes are sent; earlier versions copy what the
 socket did not take).
@@ -44,7 +45,7 @@ import sys
 import time
 
 from ..utils.logging import get_logger
-from .buffer_pool import BufferPool
+from .buffer_pool import BufferPool, DecryptBuffers
 from .identity import PeerID, PrivateKey
 from .multiaddr import Multiaddr, from_socket_address
 from .protocols import yamux
@@ -57,7 +58,7 @@ logger = get_logger(__name__)
 
 YAMUX_PROTOCOL = "/yamux/1.0.0"
 RECEIVE_BUFFER_SIZE = 1 << 20
-MAX_PLAINTEXT_BUFFERS = 4  # per connection: RECEIVE_BUFFER_SIZE each, held by unread stream data
+MAX_PLAINTEXT_BUFFERS = 8  # per host: RECEIVE_BUFFER_SIZE each, held by unread stream data
 MAX_OUTPUT_BUFFERS = 32  # per connection, ~256 KiB each, held by the transport until sent (Python 3.12+)
 SHARED_PIECE_MIN = 64 << 10  # smaller received pieces are copied at once instead of pinning a buffer
 MIN_FREE_SPACE = 128 << 10
@@ -81,7 +82,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def __init__(self, local_key: PrivateKey, *, initiator: bool, expected_peer: PeerID | None = None,
                  on_stream=None, on_close=None, max_streams: int = 512,
-                 noise_suites: tuple[CipherSuite, ...] = tuple(SUITES.values())):
+                 noise_suites: tuple[CipherSuite, ...] = tuple(SUITES.values()),
+                 decrypt_buffers: DecryptBuffers | None = None):
         self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
         self.noise_suites = noise_suites  # most preferred first
         self.noise_suite: CipherSuite | None = None  # the one agreed on
@@ -101,8 +103,7 @@ class Connection(asyncio.BufferedProtocol):
         self._buffer = memory[:RECEIVE_BUFFER_SIZE]
         self._view = self._buffer
         self._start = self._end = 0
-        self._plaintext = BufferPool(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)
-        self._scratch: mmap.mmap | None = None  # decrypts a batch when every pooled buffer is held
+        self._decrypt_buffers = decrypt_buffers or DecryptBuffers(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)
         self._data_arrived = asyncio.Event()
         self._made = asyncio.Event()
         self._eof_received = False
@@ -220,7 +221,7 @@ class Connection(asyncio.BufferedProtocol):
     async def _read_decrypted(self) -> bytes:
         while True:
             if self._start < self._end:
-                plain, _ = self._plaintext_buffer()
+                plain, _ = self._decrypt_buffers.get()
                 consumed, produced = self._noise.open_into(self._view[self._start : self._end], plain)
                 self._start += consumed
                 if produced:
@@ -259,7 +260,7 @@ class Connection(asyncio.BufferedProtocol):
             raise RemoteProtocolError("receive buffer overflow")
 
     def _receive_muxed(self) -> None:
-        plain, shareable = self._plaintext_buffer()
+        plain, shareable = self._decrypt_buffers.get()
         consumed, produced = self._noise.open_into(self._view[self._start : self._end], plain)
         self._start += consumed
         if self._start == self._end:
@@ -269,15 +270,6 @@ class Connection(asyncio.BufferedProtocol):
                 self._dispatch(self._yamux.receive_data(view[:produced], now=time.monotonic()), shareable)
         if self._yamux.pending_bytes():  # pongs, window updates; streams woken above may add replies
             self._flush_soon()
-
-    def _plaintext_buffer(self) -> tuple[mmap.mmap, bool]:
-        """A buffer to decrypt into, and whether streams may keep views of it (see the module comment)."""
-        buffer = self._plaintext.get()
-        if buffer is not None:
-            return buffer, True
-        if self._scratch is None:
-            self._scratch = mmap.mmap(-1, RECEIVE_BUFFER_SIZE)
-        return self._scratch, False
 
     def _plain_input(self, leftover: bytes) -> None:
         try:

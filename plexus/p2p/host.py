@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from ..version import __version__
 from ..utils.logging import get_logger
-from .connection import Connection, ConnectionClosedError
+from .buffer_pool import DecryptBuffers
+from .connection import MAX_PLAINTEXT_BUFFERS, RECEIVE_BUFFER_SIZE, Connection, ConnectionClosedError
 from .identity import PeerID, PrivateKey
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address, parse_host_port
 from .protocols import identify, noise
@@ -94,6 +95,7 @@ class Host:
         self.options = options or HostOptions(**kwargs)
         self._handlers: dict[str, StreamHandler] = {}
         self._connections: dict[PeerID, list[Connection]] = {}
+        self._decrypt_buffers = DecryptBuffers(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)  # all connections'
         self._pending_dials: dict[PeerID, asyncio.Task] = {}
         self._peers: dict[PeerID, PeerInfo] = {}
         self._servers: list[asyncio.AbstractServer] = []
@@ -264,7 +266,8 @@ class Host:
         return Connection(self.private_key, initiator=initiator, expected_peer=expected_peer,
                           on_stream=self._on_stream, on_close=self._on_close,
                           max_streams=self.options.max_streams_per_connection,
-                          noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers))
+                          noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers),
+                          decrypt_buffers=self._decrypt_buffers)
 
     def add_connection(self, connection: Connection) -> None:
         """Adopt an upgraded Connection made by another transport (identify runs on it)."""

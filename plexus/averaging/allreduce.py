@@ -338,6 +338,7 @@ class AllReduceRunner:
                                 self.group_id if first else None, self.weight if first else None)
             yield header.encode()
             yield buffer
+            del buffer  # sent: let it go before the next part is encoded
 
     def _check_answer(self, header: AnswerHeader, part: Part) -> None:
         expected = dtype_name(self.partition.dtype(part))
@@ -459,7 +460,7 @@ class AllReduceRunner:
         average = torch.div(state.acc, total, out=target) if in_place else state.acc.div_(total)
         shared = None
         for sender in recipients:
-            received = state.received.get(sender)
+            received = state.received.pop(sender, None)  # freed as its answer takes its place
             if received is None:
                 if shared is None:
                     wire = average.to(dtype)
@@ -547,7 +548,7 @@ class AllReduceRunner:
                     raise ValueError(f"part {part.index} holds NaN or inf values")
                 lossy = header.compression != CompressionType.NONE
                 self._contribute(sender, part, values, weight, (header, buffer) if lossy else None)
-                received, header = received + 1, None
+                received, header, buffer, values = received + 1, None, None, None  # added: not held while waiting
         except asyncio.CancelledError:
             raise
         except (ValueError, MessageError, CompressionError, rpc.RPCProtocolError, ConnectionError,

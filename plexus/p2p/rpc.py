@@ -207,6 +207,7 @@ async def call_stream(host: Host, peer: PeerID, protocol: str, requests, respons
         if hasattr(requests, "__aiter__"):
             async for request in requests:
                 await write_frame(stream, request)
+                del request  # sent: let it go while the next one is made
         else:
             await write_frame(stream, requests)
         await stream.close()

@@ -31,6 +31,7 @@ import ctypes
 import gc
 import math
 import multiprocessing as mp
+from multiprocessing.connection import wait as wait_for_pipes
 import os
 import re
 import socket
@@ -301,15 +302,13 @@ def run_peers(n: int, args, rows: list) -> None:
                                  daemon=True) for i in range(n)]
     for process in processes:
         process.start()
+    finished = False
     try:
         addresses = pipes[0][0].recv()
         for parent, _ in pipes[1:]:
             parent.send(addresses)
         for mib, compression in configs:
-            results = [parent.recv() for parent, _ in pipes]
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise RuntimeError(f"{n} peers x {mib} MiB {compression}: {errors[0]!r}")
+            results = gather_results([parent for parent, _ in pipes], f"{n} peers x {mib} MiB {compression}")
             row = dict(peers=n, mib=mib, compression=compression,
                        seconds=slowest(results, "allreduce"), gloo=slowest(results, "gloo"),
                        cpu=mean_cpu(results, "cpu"), gloo_cpu=mean_cpu(results, "gloo_cpu"),
@@ -319,16 +318,30 @@ def run_peers(n: int, args, rows: list) -> None:
                        check=check(results, n, compression))
             rows.append(row)
             print(format_row(row), flush=True)
+        finished = True
     except (EOFError, ConnectionError) as error:
         for process in processes:
             process.join(timeout=5)
         codes = [process.exitcode for process in processes]
         raise RuntimeError(f"a peer process died ({error!r}); exit codes {codes}") from None
-    finally:
+    finally:  # after a failure the others may wait on a barrier for the failed peer forever
         for process in processes:
-            process.join(timeout=60)
+            process.join(timeout=60 if finished else 1)
             if process.is_alive():
                 process.kill()
+
+
+def gather_results(parents: list, what: str) -> list:
+    """Every peer's result, in order; raises at the first error or death rather than waiting for
+    peers that may never answer (they wait on a barrier for the failed one)."""
+    results, pending = [None] * len(parents), {parent: index for index, parent in enumerate(parents)}
+    while pending:
+        for parent in wait_for_pipes(list(pending)):
+            result = parent.recv()  # EOFError if the peer died without a word
+            if isinstance(result, BaseException):
+                raise RuntimeError(f"{what}: {result!r}")
+            results[pending.pop(parent)] = result
+    return results
 
 
 HEADER = ("| peers | MiB | compression | s/round | MiB/s | gloo s/round | gloo MiB/s | vs gloo "

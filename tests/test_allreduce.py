@@ -61,10 +61,11 @@ class Swarm:
     async def __aexit__(self, *exc_info):
         await asyncio.gather(*(h.shutdown() for h in self.hosts))
 
-    def runners(self, tensor_sets, fractions, modes=None, weights=None, group_id=b"group-1", only=None, **options):
+    def runners(self, tensor_sets, fractions, modes=None, weights=None, group_id=b"group-1", only=None,
+                outputs=None, **options):
         weights = weights or [1.0] * self.n
         return [AllReduceRunner(self.hosts[i], group_id, tensor_sets[i], self.peer_ids, fractions, modes,
-                                weight=weights[i], **options)
+                                weight=weights[i], outputs=outputs and outputs[i], **options)
                 for i in (only if only is not None else range(self.n))]
 
     async def run(self, runners):
@@ -73,6 +74,21 @@ class Swarm:
                 return await runner.run()
 
         return await asyncio.gather(*(one(r) for r in runners))
+
+
+def results_of(tensor_sets, separate: bool):
+    """Where each peer's results land: its tensors (in place), or NaN-filled outputs that every part
+    must overwrite, with a result or with the local values."""
+    if not separate:
+        return tensor_sets, None
+    outputs = [[torch.full_like(t, float("nan")) for t in ts] for ts in tensor_sets]
+    return outputs, outputs
+
+
+def assert_untouched(tensor_sets, originals, separate: bool) -> None:
+    if separate:  # with outputs, the tensors are only read
+        for ts, os in zip(tensor_sets, originals):
+            assert all(torch.equal(t, o) for t, o in zip(ts, os))
 
 
 # --- the core, on virtual time -------------------------------------------------------------------
@@ -132,29 +148,33 @@ def test_exact_weighted_average_with_uneven_spans_and_many_parts(n):
     run(main(), 50)
 
 
+@pytest.mark.parametrize("separate_outputs", [False, True])
 @pytest.mark.timeout(30)
-def test_client_and_aux_modes_and_alpha():
+def test_client_and_aux_modes_and_alpha(separate_outputs):
     async def main():
         async with Swarm(4) as swarm:
             tensor_sets = [make_tensors(seed) for seed in range(4)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
+            results, outputs = results_of(tensor_sets, separate_outputs)
             modes, weights = [NODE, CLIENT, AUX, NODE], [1.0, 3.0, 5.0, 2.0]
             runners = swarm.runners(tensor_sets, [1, 0, 2, 1], modes, weights, part_size_bytes=512,
-                                    averaging_alpha=0.5)
+                                    averaging_alpha=0.5, outputs=outputs)
             assert runners[1].num_parts == 0 and runners[2].weight == 0.0
             reports = await swarm.run(runners)
             assert all(report.complete for report in reports)
             mean = weighted_mean([originals[0], originals[1], originals[3]], [1.0, 3.0, 2.0])
             for i in (0, 1, 3):
-                assert_close(tensor_sets[i], [x.double() + 0.5 * (m - x.double()) for x, m in zip(originals[i], mean)])
-            for t, o in zip(tensor_sets[2], originals[2]):
+                assert_close(results[i], [x.double() + 0.5 * (m - x.double()) for x, m in zip(originals[i], mean)])
+            for t, o in zip(results[2], originals[2]):
                 assert torch.equal(t, o)  # AUX tensors are left alone
+            assert_untouched(tensor_sets, originals, separate_outputs)
 
     run(main(), 25)
 
 
+@pytest.mark.parametrize("separate_outputs", [False, True])
 @pytest.mark.timeout(30)
-def test_float16_compression_within_its_error_bound():
+def test_float16_compression_within_its_error_bound(separate_outputs):
     """Float16 parts and deltas: each rounding is within 2**-11 relative, so the result is within
     2**-11 * (|x| + max|x| + |delta|) <= 2**-9 * max|x| of the exact mean."""
 
@@ -163,32 +183,39 @@ def test_float16_compression_within_its_error_bound():
             float32 = [torch.float32] * len(SHAPES)
             tensor_sets = [make_tensors(seed, dtypes=float32) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            runners = swarm.runners(tensor_sets, [1, 1, 1], compression=Float16Compression(), part_size_bytes=600)
+            results, outputs = results_of(tensor_sets, separate_outputs)
+            runners = swarm.runners(tensor_sets, [1, 1, 1], compression=Float16Compression(), part_size_bytes=600,
+                                    outputs=outputs)
             sizes = {p.numel for r in range(3) for p in runners[0].partition.parts(r) if p.tensor_index == 2}
             assert max(sizes) == 300  # 600 wire bytes of float16: parts are sized after compression
             reports = await swarm.run(runners)
             assert all(report.complete for report in reports)
             expected = weighted_mean(originals, [1, 1, 1])
             scale = max(t.abs().max().item() for ts in originals for t in ts)
-            for ts in tensor_sets:
+            for ts in results:
                 for got, exact in zip(ts, expected):
                     error = (got.double() - exact).abs().max().item()
                     assert error <= 2**-9 * scale
                     assert error > 0 or got.numel() == 1  # it really was compressed
+            assert_untouched(tensor_sets, originals, separate_outputs)
 
     run(main(), 25)
 
 
 @pytest.mark.timeout(30)
-def test_zero_total_weight_keeps_local_values():
+@pytest.mark.parametrize("separate_outputs", [False, True])
+def test_zero_total_weight_keeps_local_values(separate_outputs):
     async def main():
         async with Swarm(3) as swarm:
             tensor_sets = [make_tensors(seed) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            reports = await swarm.run(swarm.runners(tensor_sets, [1, 1, 1], weights=[0.0] * 3, part_size_bytes=512))
+            results, outputs = results_of(tensor_sets, separate_outputs)
+            reports = await swarm.run(swarm.runners(tensor_sets, [1, 1, 1], weights=[0.0] * 3, part_size_bytes=512,
+                                                    outputs=outputs))
             assert all(report.complete for report in reports)
-            for ts, os in zip(tensor_sets, originals):
+            for ts, os in zip(results, originals):
                 assert all(torch.equal(t, o) for t, o in zip(ts, os))
+            assert_untouched(tensor_sets, originals, separate_outputs)
 
     run(main(), 25)
 
@@ -217,15 +244,17 @@ def test_a_client_that_never_sends_is_excluded_and_the_rest_average():
     run(main(), 25)
 
 
+@pytest.mark.parametrize("separate_outputs", [False, True])
 @pytest.mark.timeout(30)
-def test_a_silent_reducer_fails_its_span_and_the_others_keep_local_values_there():
+def test_a_silent_reducer_fails_its_span_and_the_others_keep_local_values_there(separate_outputs):
     async def main():
         async with Swarm(3, registration_timeout=5) as swarm:
             float32 = [torch.float32] * len(SHAPES)
             tensor_sets = [make_tensors(seed, dtypes=float32) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
+            results, outputs = results_of(tensor_sets, separate_outputs)
             runners = swarm.runners(tensor_sets, [1, 1, 1], only=[0, 1], part_size_bytes=512,
-                                    sender_timeout=0.4, reducer_timeout=1.0)
+                                    sender_timeout=0.4, reducer_timeout=1.0, outputs=outputs)
             started = time.monotonic()
             reports = await swarm.run(runners)
             assert time.monotonic() - started < 4
@@ -238,7 +267,7 @@ def test_a_silent_reducer_fails_its_span_and_the_others_keep_local_values_there(
             for i in (0, 1):
                 for reducer in range(3):
                     for part in partition.parts(reducer):
-                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start:part.stop]
+                        got = results[i][part.tensor_index].view(-1)[part.start:part.stop]
                         want = (expected[part.tensor_index].view(-1) if reducer < 2 else
                                 originals[i][part.tensor_index].view(-1))[part.start:part.stop]
                         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)

@@ -58,11 +58,13 @@ def test_weighted_means_and_gather(n):
         close(*averagers, *dhts)
 
 
-def test_rounds_average_the_callers_own_tensors_in_place():
-    """As in hivemind, the averaged tensors are the caller's own (a strided view too): each round
-    leaves its result in them, and the next round starts from whatever they hold then."""
+@pytest.mark.parametrize("strided", [False, True])
+def test_rounds_average_the_callers_own_tensors_in_place(strided):
+    """As in hivemind, the averaged tensors are the caller's own: each round leaves its result in
+    them, and the next round starts from whatever they hold then. Contiguous tensors are read in
+    place during the round; a strided view is copied first."""
     dhts = make_swarm(2)
-    local = [[tensors_of(i)[0], tensors_of(i)[1].t()] for i in range(2)]
+    local = [[tensors_of(i)[0], tensors_of(i)[1].t() if strided else tensors_of(i)[1]] for i in range(2)]
     averagers = [DecentralizedAverager(local[i], dht, prefix="rounds", target_group_size=2, start=True, **FAST)
                  for i, dht in enumerate(dhts)]
     try:

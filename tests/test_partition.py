@@ -70,6 +70,20 @@ def test_views_write_in_place_and_apply():
     assert a.tolist() == [0, 0, 0, 0, 1.5]
 
 
+def test_with_outputs_results_go_there_and_the_tensors_are_only_read():
+    a = torch.arange(4.0)
+    out = torch.full((4,), float("nan"))
+    partition = TensorPartition([a], [4], NoCompression(), 8, outputs=[out])  # 2 float32 per part
+    first, second = partition.parts(0)
+    partition.apply_average(first, torch.tensor([8.0, 8.0]), alpha=0.5)
+    partition.apply_delta(second, torch.tensor([1.0, 1.0]), alpha=2.0)
+    assert out.tolist() == [4, 4.5, 4, 5] and a.tolist() == [0, 1, 2, 3]
+    partition.keep(first)
+    assert out.tolist() == [0, 1, 4, 5]
+    with pytest.raises(ValueError, match="outputs must be"):
+        TensorPartition([a], [4], outputs=[torch.zeros(4, dtype=torch.float64)])
+
+
 def test_fractions_give_the_same_integers_everywhere():
     assert spans_from_fractions(10, [1, 1, 1]) == (4, 3, 3)
     assert spans_from_fractions(10, [0.5, 0, 0.5]) == (5, 0, 5)

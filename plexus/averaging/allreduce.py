@@ -162,6 +162,8 @@ class AllReduceRunner:
         host: this peer's started Host.
         group_id: the group's id, agreed in matchmaking (1 to 64 bytes).
         tensors: local tensors, averaged in place (contiguous, floating; same shapes on all peers).
+        outputs: if given, results go there instead and `tensors` are only read; parts that get
+            no result (KEEP, failed spans, an AUX peer's) get the local values copied there.
         ordered_peer_ids: the group in its agreed order; includes this host's peer id.
         peer_fractions: the share of the vector each peer reduces (0 for CLIENT peers).
         modes: one AveragingMode per peer (default: all NODE).
@@ -187,7 +189,7 @@ class AllReduceRunner:
                  sender_timeout: float = 10.0, reducer_timeout: float = 20.0,
                  protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX, *, averaging_alpha: float = 1.0,
                  reject_nonfinite: bool = False, tensor_infos: Optional[Sequence[CompressionInfo]] = None,
-                 window: int = DEFAULT_WINDOW):
+                 window: int = DEFAULT_WINDOW, outputs: Optional[Sequence[torch.Tensor]] = None):
         peers = list(ordered_peer_ids)
         modes = list(modes) if modes is not None else [AveragingMode.NODE] * len(peers)
         if len(set(peers)) != len(peers):
@@ -215,7 +217,7 @@ class AllReduceRunner:
         self.protocol = allreduce_protocol(protocol_prefix)
         total = sum(t.numel() for t in tensors)
         spans = spans_from_fractions(total, list(peer_fractions))
-        self.partition = TensorPartition(tensors, spans, compression, part_size_bytes, tensor_infos)
+        self.partition = TensorPartition(tensors, spans, compression, part_size_bytes, tensor_infos, outputs)
         self.senders = [i for i, mode in enumerate(modes) if mode != AveragingMode.AUX]
         self.is_sender = self.mode != AveragingMode.AUX
         self.num_parts = self.partition.num_parts(self.me)
@@ -228,6 +230,7 @@ class AllReduceRunner:
         self._core: Optional[ReducerCore] = None
         self._states: dict[int, _PartState] = {}
         self._channels: dict[int, _Channel] = {}
+        self._applied = [0] * len(peers)  # per span: how many of its first parts have their result in place
         self._tasks: set[asyncio.Task] = set()
         self._ran = False
 
@@ -274,6 +277,10 @@ class AllReduceRunner:
                 if not channel.finished.is_set():
                     channel.stream.reset()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not self.partition.in_place:
+            for j, applied in enumerate(self._applied):
+                for index in range(applied, self.partition.num_parts(j)):
+                    self.partition.keep(self.partition.part(j, index))
         for index, reason in sorted(self._core.excluded.items()):
             self.report.excluded_senders[self.peers[index]] = reason
         if not self.report.complete:
@@ -310,7 +317,7 @@ class AllReduceRunner:
                     self._check_answer(header, part)
                     chunks = await anext(responses) if header.kind != AnswerKind.KEEP else None
                 self._apply_answer(part, header, chunks)
-                received += 1
+                received = self._applied[j] = received + 1
             async with asyncio.timeout(self.reducer_timeout):
                 if await anext(responses, None) is not None:
                     raise rpc.RPCProtocolError("reducer sent more answers than parts")
@@ -348,8 +355,9 @@ class AllReduceRunner:
 
     def _apply_answer(self, part: Part, header: AnswerHeader, chunks: Optional[list]) -> None:
         if header.kind == AnswerKind.KEEP:
+            self.partition.keep(part)
             return
-        target = self.partition.view(part)
+        target = self.partition.output(part)
         if (header.kind == AnswerKind.AVERAGE and header.compression == CompressionType.NONE and self.alpha == 1.0
                 and target.device.type == "cpu"):  # the average itself: copy the received bytes straight in
             destination = tensor_bytes_view(target)
@@ -448,12 +456,16 @@ class AllReduceRunner:
         part = self.partition.part(self.me, index)
         recipients = [s for s in sorted(self._core.live) if s != self.me and s in self._channels]
         dtype = self.partition.dtype(part)
+        target = self.partition.output(part) if self.is_sender and self.me in self._core.live else None
+        if target is not None:
+            self._applied[self.me] = index + 1  # in place by the end of this call, or kept
         if state is None or state.total_weight <= 0:
             keep = AnswerHeader(index, AnswerKind.KEEP, part.numel, dtype_name(dtype), 0).encode()
             for sender in recipients:
                 self._channels[sender].push((keep, None))
+            if target is not None:
+                self.partition.keep(part)
             return
-        target = self.partition.view(part) if self.is_sender and self.me in self._core.live else None
         in_place = (target is not None and self.alpha == 1.0 and target.dtype == state.acc.dtype
                     and target.device.type == "cpu")  # the average is final for this round: shared from there
         total = state.total_weight

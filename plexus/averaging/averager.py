@@ -2,12 +2,14 @@
 
 One step is: matchmaking through the DHT (`matchmaking.py`) forms a group, the members' gathered
 data decide how the vector is split (`load_balancing.py`, by bandwidth), and a butterfly
-all-reduce (`allreduce.py`) averages it. The averaged tensors are the caller's own, as in hivemind:
-a round copies them into a private working copy under the tensors' lock, averages the copy, and
-copies the result back in a second short critical section, so the lock is never held across a
-round: state downloads (`state_sharing.py`) and the training thread see either the state before a
-round or the state after it, never a half-averaged mix. One working copy is all the memory an
-averager adds besides the transport's buffers.
+all-reduce (`allreduce.py`) averages it. The averaged tensors are the caller's own, as in hivemind.
+A round reads them and writes its result into a private working copy, which is copied into them in
+one short critical section at the end, so the lock is never held across a round: state downloads
+(`state_sharing.py`) and the training thread see either the state before a round or the state
+after it, never a half-averaged mix. (Tensors that are not contiguous CPU tensors are first copied
+into the working copy under the lock, and the round runs on it.) One working copy is all the
+memory an averager adds besides the transport's buffers. Writes made to the tensors while a round
+runs may or may not be part of what it contributes, and its result replaces them.
 
 Everything runs on the DHT's event loop; `step`, `load_state_from_peers` and friends are thread-
 safe, blocking calls (or return futures), as in hivemind.
@@ -82,6 +84,7 @@ class DecentralizedAverager:
                 raise ValueError(f"only floating-point tensors can be averaged, got {tensor.dtype}")
         # contiguous CPU buffers, their pages touched now rather than mid-round
         self._work = [torch.zeros(tensor.shape, dtype=tensor.dtype) for tensor in self._tensors]
+        self._reads_in_place = all(t.device.type == "cpu" and t.is_contiguous() for t in self._tensors)
         self._lock = threading.Lock()
         self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
             CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]
@@ -302,11 +305,11 @@ class DecentralizedAverager:
         bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)]
         total = sum(tensor.numel() for tensor in self._tensors)
         fractions = load_balance_peers(total, bandwidths, self.min_vector_size)
-        async with self._working_copy() as work:
+        async with self._round_tensors() as (sources, outputs):
             runner = AllReduceRunner(
-                self.dht.host, group.group_id, work, group.peer_ids, fractions, modes, weight, self.compression,
+                self.dht.host, group.group_id, sources, group.peer_ids, fractions, modes, weight, self.compression,
                 self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
-                averaging_alpha=self.averaging_alpha, tensor_infos=self.tensor_infos)
+                averaging_alpha=self.averaging_alpha, tensor_infos=self.tensor_infos, outputs=outputs)
             with _routers[self.dht.host].register(runner):
                 async with asyncio.timeout(self.allreduce_timeout):
                     report = await runner.run()
@@ -327,15 +330,20 @@ class DecentralizedAverager:
             raise
 
     @contextlib.asynccontextmanager
-    async def _working_copy(self):
-        """Run the round on a private copy; publish the result in one short critical section."""
-        await self._acquire_lock()
-        try:
-            for work, tensor in zip(self._work, self._tensors):
-                work.copy_(tensor)
-        finally:
-            self._lock.release()
-        yield self._work
+    async def _round_tensors(self):
+        """(what the round reads, where it writes: None for in place), then publish the working copy
+        in one short critical section. Reading the tensors themselves saves a copy of them per
+        round (~0.05 s per 400 MiB, of a ~0.7 s round of two peers)."""
+        if self._reads_in_place:
+            yield self._tensors, self._work
+        else:
+            await self._acquire_lock()
+            try:
+                for work, tensor in zip(self._work, self._tensors):
+                    work.copy_(tensor)
+            finally:
+                self._lock.release()
+            yield self._work, None
         await self._acquire_lock()
         try:
             for work, tensor in zip(self._work, self._tensors):

@@ -19,7 +19,8 @@ part is a 1-D *view* into one tensor's storage.
    is random access.
 3. In place. `view(part)` is the part's slice of its tensor; the all-reduce reads it to send and
    writes the averaged result into it (`apply_average`, `apply_delta`): no copy of the vector is
-   ever made.
+   ever made. Given `outputs` (tensors of the same shapes), results go there instead and the
+   tensors are only read; `keep(part)` copies a part that gets no result.
 
 Every peer must build the partition from the same tensor shapes and dtypes, the same spans, the
 same `part_size_bytes` and an equivalent compression (its ratio estimates decide the cuts). The
@@ -98,10 +99,11 @@ class TensorPartition:
         compression: decides part lengths through `estimate_compression_ratio`.
         part_size_bytes: the most bytes a part may take on the wire (by the ratio estimate).
         tensor_infos: one `CompressionInfo` per tensor (key, role); default: key = position.
+        outputs: where results are written (default: the tensors themselves).
 
     Raises:
-        ValueError: on a non-contiguous or non-floating tensor, spans that do not add up, or a
-            non-positive part size.
+        ValueError: on a non-contiguous or non-floating tensor, outputs that do not match the
+            tensors, spans that do not add up, or a non-positive part size.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class TensorPartition:
         compression: CompressionBase = NoCompression(),
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
         tensor_infos: Optional[Sequence[CompressionInfo]] = None,
+        outputs: Optional[Sequence[torch.Tensor]] = None,
     ):
         if not isinstance(part_size_bytes, int) or part_size_bytes <= 0:
             raise ValueError(f"part_size_bytes must be a positive int, got {part_size_bytes!r}")
@@ -127,6 +130,12 @@ class TensorPartition:
         self.tensor_infos = list(tensor_infos)
         self.compression, self.part_size_bytes = compression, part_size_bytes
         self._flat = [tensor.detach().view(-1) for tensor in self.tensors]
+        self._out = self._flat
+        if outputs is not None:
+            outputs = list(outputs)
+            if [(o.shape, o.dtype, o.is_contiguous()) for o in outputs] != [(t.shape, t.dtype, True) for t in self.tensors]:
+                raise ValueError("outputs must be contiguous tensors of the tensors' shapes and dtypes")
+            self._out = [output.detach().view(-1) for output in outputs]
         self._offsets = [0]
         for flat in self._flat:
             self._offsets.append(self._offsets[-1] + flat.numel())
@@ -202,28 +211,41 @@ class TensorPartition:
     # --- in place ----------------------------------------------------------------------------------
 
     def view(self, part: Part) -> torch.Tensor:
-        """The part's elements inside its tensor (a view: writing to it writes the tensor)."""
+        """The part's elements inside its tensor (a view: in place, writing to it writes the tensor)."""
         return self._flat[part.tensor_index][part.start : part.stop]
 
+    def output(self, part: Part) -> torch.Tensor:
+        """Where the part's result goes: `view(part)` itself unless outputs were given."""
+        return self._out[part.tensor_index][part.start : part.stop]
+
+    @property
+    def in_place(self) -> bool:
+        return self._out is self._flat
+
+    def keep(self, part: Part) -> None:
+        """The part gets no result: its output holds the local values."""
+        if not self.in_place:
+            self.output(part).copy_(self.view(part))
+
     def apply_average(self, part: Part, average: torch.Tensor, alpha: float = 1.0) -> None:
-        """tensor += alpha * (average - tensor) on the part's elements (alpha=1 copies exactly)."""
-        target = self.view(part)
+        """output = tensor + alpha * (average - tensor) on the part's elements (alpha=1 copies exactly)."""
+        source, target = self.view(part), self.output(part)
         average = average.to(target.device)
         if alpha == 1.0:
             target.copy_(average)
         elif target.dtype in (torch.float16, torch.bfloat16):
-            target.copy_(target.float().lerp_(average.float(), alpha))  # round once, at the end
+            target.copy_(source.float().lerp_(average.float(), alpha))  # round once, at the end
         else:
-            target.lerp_(average.to(target.dtype), alpha)
+            torch.lerp(source, average.to(target.dtype), alpha, out=target)
 
     def apply_delta(self, part: Part, delta: torch.Tensor, alpha: float = 1.0) -> None:
-        """tensor += alpha * delta on the part's elements (computed in delta's precision or wider)."""
-        target = self.view(part)
+        """output = tensor + alpha * delta on the part's elements (computed in delta's precision or wider)."""
+        source, target = self.view(part), self.output(part)
         delta = delta.to(target.device)
         if target.dtype in (torch.float16, torch.bfloat16):
-            target.copy_(target.float().add_(delta.float(), alpha=alpha))
+            target.copy_(source.float().add_(delta.float(), alpha=alpha))
         else:
-            target.add_(delta.to(target.dtype), alpha=alpha)
+            torch.add(source, delta.to(target.dtype), alpha=alpha, out=target)
 
     def __repr__(self) -> str:
         parts = [self.num_parts(i) for i in range(self.group_size)]

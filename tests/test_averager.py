@@ -85,6 +85,25 @@ def test_rounds_average_the_callers_own_tensors_in_place(strided):
         close(*averagers, *dhts)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_are_averaged_in_place_through_a_cpu_working_copy():
+    dhts = make_swarm(2)
+    local = [[t.cuda() for t in tensors_of(i)] for i in range(2)]
+    averagers = [DecentralizedAverager(local[i], dht, prefix="cuda", target_group_size=2, start=True, **FAST)
+                 for i, dht in enumerate(dhts)]
+    try:
+        for control in [averager.step(wait=False, timeout=20) for averager in averagers]:
+            control.result()
+        expected = [(a.double() + b.double()) / 2 for a, b in zip(tensors_of(0), tensors_of(1))]
+        for tensors in local:
+            for tensor, target in zip(tensors, expected):
+                tolerance = 1e-2 if tensor.dtype == torch.bfloat16 else 1e-5
+                assert tensor.device.type == "cuda"
+                assert torch.allclose(tensor.double().cpu(), target, atol=tolerance), (tensor, target)
+    finally:
+        close(*averagers, *dhts)
+
+
 def test_client_and_auxiliary_modes():
     dhts = make_swarm(3)
     client_dht = DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, client_mode=True)

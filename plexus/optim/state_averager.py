@@ -163,7 +163,8 @@ class TrainingStateAverager(DecentralizedAverager):
         self._load_lock = threading.Lock()
 
         with torch.no_grad():
-            averaged_tensors = [tensor.detach().clone() for tensor in self._local_tensors()]  # loaded per round
+            # the averager's own CPU copies, loaded from the local tensors before each round
+            averaged_tensors = [tensor.detach().to("cpu", copy=True) for tensor in self._local_tensors()]
         super().__init__(averaged_tensors, dht, tensor_infos=self._tensor_infos(), **averager_kwargs)
         self.state_sharing_priority = self._local_epoch
 

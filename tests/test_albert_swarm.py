@@ -292,7 +292,8 @@ def test_monitor_and_trainers_train_together_and_a_late_trainer_catches_up(token
             "--metrics_path", metrics_path, "--wandb_project", "plexus-test", "--store_checkpoints",
             "--save_checkpoint_step_interval", "3", "--checkpoint_dir", str(tmp_path / "checkpoints"),
             "--config", "tiny", "--dataset_path", tokenized,
-            env=dict(PYTHONPATH=str(tmp_path / "fake"), FAKE_WANDB_LOG=wandb_log))
+            env=dict(PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
+                     FAKE_WANDB_LOG=wandb_log))
         assert all(peer.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in peer for peer in peers)
         swarm.start("first", "run_trainer.py", *trainer("first"))
         swarm.start("second", "run_trainer.py", *trainer("second"))

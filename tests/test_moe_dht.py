@@ -22,7 +22,8 @@ GRID = (3, 4)
 def grid_server():
     """One server with the full 3x4 grid of small ffn experts, in a DHT of its own."""
     uids = [f"grid.{i}.{j}" for i, j in itertools.product(*map(range, GRID))]
-    server = Server.create(expert_uids=uids, hidden_dim=8, optim_cls=None, start=True, host_maddrs=LOCAL)
+    server = Server.create(expert_uids=uids, hidden_dim=8, optim_cls=None, start=True, host_maddrs=LOCAL,
+                           device="cpu")  # compared with the local module on CPU inputs
     yield server
     server.shutdown()
 

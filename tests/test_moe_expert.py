@@ -56,7 +56,7 @@ def check_same_as_local(expert: RemoteExpert, local: nn.Module, inputs, atol=1e-
 def test_gradients_match_the_local_module_and_the_server_learns(expert_cls, hidden_dim, client):
     torch.manual_seed(0)
     uid = f"{expert_cls}.0"
-    server = Server.create(expert_uids=[uid], expert_cls=expert_cls, hidden_dim=hidden_dim,
+    server = Server.create(expert_uids=[uid], expert_cls=expert_cls, hidden_dim=hidden_dim, device="cpu",
                            optim_cls=lambda params: torch.optim.SGD(params, lr=0.1), start=True, host_maddrs=LOCAL)
     try:
         backend = server.module_backends[uid]
@@ -149,7 +149,7 @@ def test_large_tensors_stream_in_chunks(client, monkeypatch):
 
 def test_compressed_activations(client):
     server = Server.create(expert_uids=["ffn.0"], hidden_dim=16, optim_cls=None, start=True, host_maddrs=LOCAL,
-                           compression=CompressionType.FLOAT16)
+                           compression=CompressionType.FLOAT16, device="cpu")  # compared with a CPU input below
     try:
         expert = remote(client, server, "ffn.0")
         assert expert.schema.args_schema[0].compression == CompressionType.FLOAT16

@@ -191,7 +191,8 @@ def test_slow_experts_are_left_behind_after_timeout_after_k_min(swarm):
         torch.testing.assert_close(moe(x), x)  # only the identity answered, with all the weight
         assert time.monotonic() - started < 10, "the blocked expert must not be waited for"
         moe.k_min = 2
-        with pytest.raises(TooFewExpertsError, match="unanswered at the deadline"):
+        # the call's own timeout and the forward's deadline are the same instant: either reports it
+        with pytest.raises(TooFewExpertsError, match="unanswered at the deadline|lag.0.1 on .*TimeoutError"):
             moe.forward_timeout = 0.5
             moe(x)
     finally:

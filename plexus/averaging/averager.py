@@ -82,7 +82,7 @@ class DecentralizedAverager:
         for tensor in self._tensors:
             if not tensor.is_floating_point():
                 raise ValueError(f"only floating-point tensors can be averaged, got {tensor.dtype}")
-        self._work: list[torch.Tensor] | None = None  # the working copy, made by the first round that needs it
+        self._work: list[torch.Tensor] | None = None  # see _working_copy()
         self._reads_in_place = all(t.device.type == "cpu" and t.is_contiguous() for t in self._tensors)
         self._lock = threading.Lock()
         self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
@@ -333,25 +333,35 @@ class DecentralizedAverager:
         """(what the round reads, where it writes: None for in place), then publish the working copy
         in one short critical section. Reading the tensors themselves saves a copy of them per
         round (~0.05 s per 400 MiB, of a ~0.7 s round of two peers)."""
-        if self._work is None:  # contiguous CPU buffers (subclasses with rounds of their own never need them)
-            self._work = [torch.zeros(tensor.shape, dtype=tensor.dtype) for tensor in self._tensors]
+        if self.mode == AveragingMode.AUX:  # it only reduces others' parts: its tensors are neither read nor written
+            yield (self._tensors if self._reads_in_place else await self._working_copy()), None
+            return
+        work = await self._working_copy()
         if self._reads_in_place:
-            yield self._tensors, self._work
+            yield self._tensors, work
         else:
             await self._acquire_lock()
             try:
-                for work, tensor in zip(self._work, self._tensors):
-                    work.copy_(tensor)
+                for buffer, tensor in zip(work, self._tensors):
+                    buffer.copy_(tensor)
             finally:
                 self._lock.release()
-            yield self._work, None
+            yield work, None
         await self._acquire_lock()
         try:
-            for work, tensor in zip(self._work, self._tensors):
-                tensor.copy_(work)
+            for buffer, tensor in zip(work, self._tensors):
+                tensor.copy_(buffer)
             self._state_sharing.state_changed()
         finally:
             self._lock.release()
+
+    async def _working_copy(self) -> list[torch.Tensor]:
+        """Contiguous CPU buffers like the tensors, made (off the event loop) by the first round that
+        needs them: subclasses with rounds of their own (PowerSGD) never do."""
+        if self._work is None:
+            self._work = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [torch.zeros(tensor.shape, dtype=tensor.dtype) for tensor in self._tensors])
+        return self._work
 
     def __repr__(self) -> str:
         return f"<DecentralizedAverager {self.prefix} {self.mode.name} peer={self.dht.peer_id.short()}>"

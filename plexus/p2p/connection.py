@@ -67,6 +67,11 @@ WRITE_HIGH_WATER = 4 << 20
 COALESCE_LIMIT = 32 << 10  # writes up to this size join a flush already scheduled
 
 
+def host_decrypt_buffers() -> DecryptBuffers:
+    """The decrypt buffers that all of one host's connections share (see the module comment)."""
+    return DecryptBuffers(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)
+
+
 class Phase(enum.Enum):
     UPGRADING = "upgrading"
     MUXED = "muxed"
@@ -103,7 +108,7 @@ class Connection(asyncio.BufferedProtocol):
         self._buffer = memory[:RECEIVE_BUFFER_SIZE]
         self._view = self._buffer
         self._start = self._end = 0
-        self._decrypt_buffers = decrypt_buffers or DecryptBuffers(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)
+        self._decrypt_buffers = decrypt_buffers or host_decrypt_buffers()  # a connection without a host: its own
         self._data_arrived = asyncio.Event()
         self._made = asyncio.Event()
         self._eof_received = False

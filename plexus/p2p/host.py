@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 
 from ..version import __version__
 from ..utils.logging import get_logger
-from .buffer_pool import DecryptBuffers
-from .connection import MAX_PLAINTEXT_BUFFERS, RECEIVE_BUFFER_SIZE, Connection, ConnectionClosedError
+from .connection import Connection, ConnectionClosedError, host_decrypt_buffers
 from .identity import PeerID, PrivateKey
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address, parse_host_port
 from .protocols import identify, noise
@@ -95,7 +94,7 @@ class Host:
         self.options = options or HostOptions(**kwargs)
         self._handlers: dict[str, StreamHandler] = {}
         self._connections: dict[PeerID, list[Connection]] = {}
-        self._decrypt_buffers = DecryptBuffers(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)  # all connections'
+        self._decrypt_buffers = host_decrypt_buffers()
         self._pending_dials: dict[PeerID, asyncio.Task] = {}
         self._peers: dict[PeerID, PeerInfo] = {}
         self._servers: list[asyncio.AbstractServer] = []

@@ -21,6 +21,7 @@ from .compression import (
     serialize_torch_tensor,
 )
 from .dht.dht import DHT
+from .errors import PeerError, PeerMisbehaved, PhaseTimeout, PlexusError, UsageError
 from .moe import (
     ModuleBackend,
     RemoteExpert,
@@ -54,4 +55,5 @@ __all__ = [
     "background_server", "declare_experts", "get_experts", "register_expert_class",
     "GradScaler", "GradientAverager", "Optimizer", "PowerSGDGradientAverager", "ProgressTracker",
     "TrainingAverager", "TrainingStateAverager",
+    "PeerError", "PeerMisbehaved", "PhaseTimeout", "PlexusError", "UsageError",
 ]

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from plexus.dht.latency import FACTOR, LatencyEstimator
+from plexus.dht.latency import FACTOR, REQUEST_FACTOR, LatencyEstimator, Unanswered
 from plexus.dht.routing import DHTID, RoutingTable
-from plexus.dht.traverse import STRAGGLER_FACTOR, Traversal
+from plexus.dht.traverse import GIVE_UP_FACTOR, STRAGGLER_FACTOR, Traversal
 from plexus.p2p.identity import PrivateKey
 
 pytestmark = pytest.mark.timeout(30)
@@ -138,9 +138,11 @@ def test_outstanding_requests_stay_bounded_when_every_peer_is_silent():
     stragglers_at_cap.next_queries(0.0)
     stragglers_at_cap.next_queries(0.1)  # the first straggles, a second is sent
     assert stragglers_at_cap.stragglers == 1 and stragglers_at_cap.in_flight == 1
-    assert stragglers_at_cap.next_deadline() is None  # at the cap: time alone changes nothing
+    # at the cap, only abandoning the straggler is still due; abandoned, it still counts
+    assert stragglers_at_cap.next_deadline() == pytest.approx(GIVE_UP_FACTOR * 0.1)
     stragglers_at_cap.handle_timer(100.0)
     assert stragglers_at_cap.stragglers == 1 and stragglers_at_cap.in_flight == 1
+    assert stragglers_at_cap.next_deadline() is None  # time alone changes nothing now
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -215,13 +217,46 @@ def test_the_limit_follows_this_lookups_own_answers():
     assert start(ids, tables, query).straggler_limit is None  # no timeout: no stragglers at all
 
 
-def test_a_short_beam_still_waits_for_its_stragglers():
+def test_a_short_beam_waits_for_its_stragglers_then_gives_up():
     """With fewer live peers than the beam holds, the stragglers may be all a query has left: it
-    waits for them (here until the silent one fails) rather than end with a short beam early."""
+    waits for them, so a slow live peer still makes the beam, but a silent one only for
+    GIVE_UP_FACTOR straggler limits, not until its request fails."""
     ids, tables = simulate(num_nodes=6, seed=7)
     query = DHTID.generate("q")
-    silent = {sorted(ids[1:], key=lambda n: n ^ query)[0]}
+    by_distance = sorted(ids[1:], key=lambda n: n ^ query)
+    silent, slow = {by_distance[0]}, by_distance[1]
     traversal = start(ids, tables, query, straggler_timeout=0.1)
-    ended, _ = drive(traversal, tables, {}, silent)
-    assert ended >= WAIT_TIMEOUT
+    ended, _ = drive(traversal, tables, {slow: 0.06}, silent)
+    assert GIVE_UP_FACTOR * 0.1 <= ended < 1.0 < WAIT_TIMEOUT
     assert sorted(node_id for node_id, _ in traversal.nearest(query)) == sorted(set(ids[1:]) - silent)
+    assert traversal.stragglers == 1  # the silent peer's request is still out, abandoned
+
+
+def test_request_timeout_is_a_multiple_of_the_recent_p90_within_its_bounds():
+    estimator = LatencyEstimator(ceiling=3.0, floor=0.1, min_request_timeout=1.0)
+    assert estimator.request_timeout() == 3.0  # nothing learnt yet: the ceiling (wait_timeout)
+    for _ in range(32):
+        estimator.observe(0.005)
+    assert estimator.request_timeout() == 1.0  # REQUEST_FACTOR x 5 ms, lifted to the minimum
+    for _ in range(32):
+        estimator.observe(0.2)
+    assert estimator.request_timeout() == pytest.approx(REQUEST_FACTOR * 0.2)
+    for _ in range(32):
+        estimator.observe(2.0)
+    assert estimator.request_timeout() == 3.0  # never above the ceiling
+    assert LatencyEstimator(ceiling=0.5, min_request_timeout=1.0).min_request_timeout == 0.5
+
+
+def test_unanswered_peers_are_silent_since_their_first_unanswered_request():
+    peer, other = PEERS[0], PEERS[1]
+    unanswered = Unanswered()
+    assert unanswered.silent_for(peer, 5.0) == 0.0
+    unanswered.sent(peer, 1.0)
+    unanswered.sent(peer, 2.0)
+    assert unanswered.silent_for(peer, 3.0) == 2.0 and unanswered.silent_for(other, 3.0) == 0.0
+    unanswered.finished(peer, 3.5, answered=True)  # it answered one: silent since then at most
+    assert unanswered.silent_for(peer, 4.0) == 0.5 and len(unanswered) == 1
+    unanswered.finished(peer, 4.0, answered=False)  # nothing in flight: not silent
+    assert unanswered.silent_for(peer, 10.0) == 0.0 and len(unanswered) == 0
+    unanswered.finished(peer, 11.0, answered=False)  # a stray end changes nothing
+    assert len(unanswered) == 0

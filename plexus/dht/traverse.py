@@ -18,15 +18,20 @@ asked it until the driver's timeout. With `straggler_timeout` set, a request out
 than the lookup's straggler limit (by the `now` the driver passes to `next_queries`/`handle_timer`;
 `next_deadline()` says when to look again) becomes a *straggler*, as libp2p's Kademlia lookups mark
 peers unresponsive: it no longer blocks any query from finishing and no longer takes one of the
-`num_workers` slots, so the next candidate is asked in its place. Only a query whose beam is still
-short keeps waiting for its stragglers (they may be all it has left), so impatience never cuts a
-lookup short of `beam_size` answers. Its answer still counts if it comes before the lookup is done;
-its failure still excludes the peer. The limit starts at
+`num_workers` slots, so the next candidate is asked in its place. A query whose beam is still
+short keeps waiting for its stragglers (they may be all it has left), but only until they have
+been out GIVE_UP_FACTOR times the straggler limit (or the driver's guess, if that is longer: a
+limit learnt from a lookup's first fast answer alone is too noisy to give up on): then they are
+*abandoned*, and the query ends
+with the answers it has once nothing else is left to ask. Without that, a small swarm (whose
+beams never fill) flooded with frozen Sybil ids would wait out the driver's request timeout in
+every lookup. A late answer still counts if it comes before the lookup is done, abandoned or not;
+a failure still excludes the peer. The limit starts at
 `straggler_timeout` (the driver's guess, e.g. from earlier lookups); once answers carry `now`, it
 follows this lookup's own answers: STRAGGLER_FACTOR times their 90th percentile duration, at least
 `min_straggler_timeout`, so a stale guess is corrected within the first round trip. At most
-`max_stragglers` may be outstanding, which bounds how far a lookup can outgrow `num_workers` when
-every peer is slow. Time is only ever a parameter here: nothing reads a clock or the network.
+`max_stragglers` may be outstanding (abandoned ones included), which bounds how far a lookup can
+outgrow `num_workers` when every peer is slow. Time is only ever a parameter here: nothing reads a clock or the network.
 """
 
 import dataclasses
@@ -42,6 +47,8 @@ Neighbours = Sequence[tuple[DHTID, PeerID]]
 # 4, not 2: on a 256-node swarm joining 16 nodes at a time in one saturated process, 2 turned ~4%
 # of requests into false stragglers whose replacements (mostly new dials) slowed the joins by 10%
 STRAGGLER_FACTOR = 4.0
+# a short beam waits for a straggler this many straggler limits, then ends without it
+GIVE_UP_FACTOR = 3.0
 MAX_DURATIONS = 256  # answers remembered per lookup for the straggler limit
 
 
@@ -92,6 +99,7 @@ class Traversal:
         self._durations: list[float] = []  # of this lookup's answers, when the driver said `now`
         self.max_stragglers = 4 * num_workers if max_stragglers is None else max_stragglers
         self._stragglers: set[TraversalRequest] = set()
+        self._abandoned: set[TraversalRequest] = set()  # stragglers no query waits for any more
         self._states = {query: _QueryState(query) for query in queries}
         self.beam_size, self.num_workers = beam_size, num_workers
         self.queries_per_call = queries_per_call or max(1, math.isqrt(len(self._states)))
@@ -146,9 +154,14 @@ class Traversal:
         p90 = ordered[(9 * len(ordered)) // 10]
         return max(self.min_straggler_timeout, STRAGGLER_FACTOR * p90)
 
+    @property
+    def _give_up_limit(self) -> float:
+        return GIVE_UP_FACTOR * max(self.straggler_limit, self.straggler_timeout)
+
     def handle_timer(self, now: float) -> None:
         """Turn requests outstanding for the straggler limit or longer into stragglers, oldest
-        first, while fewer than `max_stragglers` are outstanding."""
+        first, while fewer than `max_stragglers` are outstanding; abandon stragglers outstanding
+        GIVE_UP_FACTOR limits or longer."""
         limit = self.straggler_limit
         if limit is None:
             return
@@ -161,14 +174,23 @@ class Traversal:
                 state = self._states[query]
                 state.in_flight.remove(request.node_id)
                 state.straggling.append(request.node_id)
+        give_up = self._give_up_limit
+        for request in self._stragglers - self._abandoned:
+            if request.sent_at + give_up <= now:
+                self._abandoned.add(request)
+                for query in request.queries:
+                    self._states[query].straggling.remove(request.node_id)
 
     def next_deadline(self) -> float | None:
-        """When the oldest request in flight turns into a straggler; None when time alone changes
-        nothing (no straggler timeout, nothing in flight, or `max_stragglers` outstanding)."""
+        """When the next request turns into a straggler or a straggler is abandoned; None when time
+        alone changes nothing (no straggler timeout, or nothing that time could change)."""
         limit = self.straggler_limit
-        if limit is None or not self._in_flight or len(self._stragglers) >= self.max_stragglers:
+        if limit is None:
             return None
-        return min(request.sent_at + limit for request in self._in_flight)
+        deadlines = [request.sent_at + self._give_up_limit for request in self._stragglers - self._abandoned]
+        if len(self._stragglers) < self.max_stragglers:
+            deadlines.extend(request.sent_at + limit for request in self._in_flight)
+        return min(deadlines, default=None)
 
     def next_queries(self, now: float = 0.0) -> list[TraversalRequest]:
         """Requests to send now (stamped `now`), keeping at most `num_workers` in flight besides
@@ -197,8 +219,11 @@ class Traversal:
         states = [self._states[query] for query in request.queries]
         if request in self._stragglers:  # no longer counted in any query's in_flight
             self._stragglers.discard(request)
-            for state in states:
-                state.straggling.remove(request.node_id)
+            if request in self._abandoned:
+                self._abandoned.discard(request)
+            else:
+                for state in states:
+                    state.straggling.remove(request.node_id)
             return states
         self._in_flight.discard(request)
         for state in states:
@@ -225,6 +250,13 @@ class Traversal:
         """The peer did not answer: it is skipped by every query from now on."""
         self._failed.add(request.node_id)
         self._complete(request)
+
+    def add_candidates(self, query: DHTID, nodes: Neighbours) -> None:
+        """More peers to ask for `query` while it is open (e.g. farther entries of the driver's own
+        table, once the nearest ones failed); peers already asked or failed are ignored."""
+        state = self._states[query]
+        if not state.finished:
+            self._add_candidates(state, nodes)
 
     def finish(self, query: DHTID) -> None:
         self._states[query].finished = True
@@ -256,4 +288,4 @@ class Traversal:
     def __repr__(self) -> str:
         finished = sum(state.finished for state in self._states.values())
         return (f"Traversal({finished}/{len(self._states)} finished, {len(self._in_flight)} in flight, "
-                f"{len(self._stragglers)} straggling)")
+                f"{len(self._stragglers)} straggling, {len(self._abandoned)} of them abandoned)")

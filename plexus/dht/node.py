@@ -9,7 +9,15 @@ failed. Storing and finding values (replicas, merging, caching on the way back) 
 
 Every outgoing request goes through `_request`: a failure bans the peer for a doubling backoff
 (`Blacklist`) and removes it from the routing table; an answer clears the ban and refreshes the
-peer in the table. All background work runs as tasks owned by the node and ends at `shutdown()`.
+peer in the table. A request's timeout follows the answers of recent ones (`LatencyEstimator.
+request_timeout`, at most `wait_timeout`), and a peer that has left a request unanswered past the
+straggler limit is not asked again by any lookup until it answers or fails (`Unanswered`). A
+request that fails starts a sweep of the entries silent since it was sent, and entries we name
+in find answers are checked once they have been quiet a while (liveness.py). So a crowd of frozen
+peers costs the lookups of a node little more than their first silence, and leaves its table in
+a few seconds. The table admits at most a few peers per network (`DiversityOptions`), so one
+machine cannot fill it with ids to begin with. All background work runs as tasks owned by the
+node and ends at `shutdown()`.
 """
 
 import asyncio
@@ -21,7 +29,9 @@ from ..p2p.identity import PeerID
 from ..utils.timing import DHTExpiration, get_dht_time
 from .blacklist import Blacklist
 from .cache_refresh import CacheRefreshQueue
-from .latency import DEFAULT_FLOOR, LatencyEstimator
+from .diversity import DiversityOptions
+from .latency import DEFAULT_FLOOR, DEFAULT_MIN_REQUEST_TIMEOUT, LatencyEstimator, Unanswered
+from .liveness import LivenessChecker, LivenessOptions
 from .messages import (
     MAX_KEYS_PER_REQUEST,
     DHTProtocolError,
@@ -93,8 +103,19 @@ class DHTNode(StoreAndGet):
         record_validator=None,
         ensure_bootstrap_success: bool = True,
         bootstrap_timeout: float | None = None,
+        diversity: DiversityOptions | None = None,
+        min_request_timeout: float = DEFAULT_MIN_REQUEST_TIMEOUT,
+        liveness: LivenessOptions | None = None,
     ) -> "DHTNode":
         """Start serving on `rpc` (unless `client_mode`), then join through `initial_peers`.
+
+        `wait_timeout` bounds every request; once requests have been answered, a request fails
+        sooner, at a multiple of their recent latency but not before `min_request_timeout`.
+        `diversity` bounds routing-table entries per network (default `DiversityOptions()`: 2 per
+        k-bucket and 8 in all per public /24 or /48 or private address, loopback unlimited; pass
+        `DiversityOptions(max_per_bucket=None, max_per_table=None)` to lift the bounds).
+        `liveness` says when entries that went silent are pinged and evicted (default
+        `LivenessOptions()`; see liveness.py).
 
         Raises DHTBootstrapError when initial peers were given, none answered a ping and
         `ensure_bootstrap_success` is set; the message lists every peer tried and why it failed."""
@@ -109,14 +130,18 @@ class DHTNode(StoreAndGet):
         self.cache_refresh_before_expiry, self.reuse_get_requests = cache_refresh_before_expiry, reuse_get_requests
         self.refresh_timeout = refresh_timeout
         self.record_validator = record_validator
-        self.routing_table = RoutingTable(self.node_id, bucket_size, depth_modulo)
+        self.routing_table = RoutingTable(self.node_id, bucket_size, depth_modulo,
+                                          DiversityOptions() if diversity is None else diversity)
         self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)
         self.protocol = DHTProtocol(
             self.node_id, self.routing_table, self.storage, self.cache, record_validator, num_replicas, client_mode,
-            addresses_of=rpc.known_addresses,
+            addresses_of=rpc.known_addresses, ip_of=rpc.remote_ip,
+            liveness=LivenessChecker(LivenessOptions() if liveness is None else liveness),
         )
         self.blacklist = Blacklist(blacklist_time, backoff_rate)
-        self.latency = LatencyEstimator(ceiling=wait_timeout, floor=min(DEFAULT_FLOOR, wait_timeout))
+        self.latency = LatencyEstimator(ceiling=wait_timeout, floor=min(DEFAULT_FLOOR, wait_timeout),
+                                        min_request_timeout=min_request_timeout)
+        self._unanswered = Unanswered()
         self._rpc_slots = asyncio.Semaphore(parallel_rpc or DEFAULT_PARALLEL_RPC)
         self._tasks: set[asyncio.Task] = set()
         self._pending_gets: dict[DHTID, tuple[DHTExpiration, asyncio.Future]] = {}
@@ -167,19 +192,31 @@ class DHTNode(StoreAndGet):
 
     async def _request(self, peer_id: PeerID, request: Message, expected: type[Message]) -> Any:
         """Send one request; on any failure ban the peer and drop it from the table, then re-raise."""
+        sent_at_dht = get_dht_time()
         try:
             async with self._rpc_slots:
                 loop = asyncio.get_running_loop()
                 sent_at = loop.time()
-                data = await self.rpc.call(peer_id, request.encode(), self.wait_timeout)
+                self._unanswered.sent(peer_id, sent_at)
+                answered = False
+                try:
+                    data = await self.rpc.call(peer_id, request.encode(), self.latency.request_timeout())
+                    answered = True
+                finally:
+                    self._unanswered.finished(peer_id, loop.time(), answered)
                 self.latency.observe(loop.time() - sent_at)
             response = decode_response(data, expected)
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            ban = self.blacklist.register_failure(peer_id, get_dht_time())
+            now = get_dht_time()
+            ban = self.blacklist.register_failure(peer_id, now)
             self.protocol.peer_failed(peer_id)
             logger.debug(f"{self!r}: {type(request).__name__} to {peer_id} failed ({_describe(error)}); ban {ban:.1f}s")
+            if isinstance(error, OSError):  # timed out or unreachable (not a refusal): others may be gone too
+                since = self.protocol.liveness.sweep_after_failure(sent_at_dht, now)
+                if since is not None:
+                    self._spawn(self._sweep(since))
             raise
         self.blacklist.register_success(peer_id)
         if response.node_id is not None and not isinstance(response, ErrorResponse):
@@ -231,6 +268,24 @@ class DHTNode(StoreAndGet):
             await self._call(action.peer_id, PingRequest(self.protocol.own_id), PingResponse)
         finally:  # on failure `_request` already evicted it and a replacement moved in
             self._evicting.discard(action.node_id)
+
+    async def _sweep(self, since: float) -> None:
+        """Ping every entry silent since `since`, a few at a time; a ping that fails evicts its entry."""
+        quiet = [(node_id, peer_id) for node_id, peer_id in self.routing_table.not_seen_since(since)
+                 if node_id not in self._evicting]
+        slots = asyncio.Semaphore(self.protocol.liveness.options.sweep_concurrency)
+
+        async def check(node_id: DHTID, peer_id: PeerID) -> None:
+            async with slots:
+                await self._ping_to_evict(PingToEvict(node_id, peer_id))
+
+        before = len(self.routing_table)
+        self._evicting.update(node_id for node_id, _ in quiet)
+        await asyncio.gather(*(check(node_id, peer_id) for node_id, peer_id in quiet))
+        evicted = sum(node_id not in self.routing_table for node_id, _ in quiet)
+        logger.log(logging.INFO if evicted else logging.DEBUG,
+                   f"{self!r}: a failed request started a liveness sweep: {evicted} of {len(quiet)} quiet "
+                   f"entries did not answer and were evicted (table: {before} -> {len(self.routing_table)})")
 
     async def _send_items(self, peer_id: PeerID, items: Sequence[StoreItem]) -> list[bool] | None:
         """Store `items` on one peer in requests of at most MAX_KEYS_PER_REQUEST: one flag per item,
@@ -316,16 +371,28 @@ class DHTNode(StoreAndGet):
 
     # lookups
 
+    def _is_silent(self, peer_id: PeerID, now: float) -> bool:
+        """The peer has left a request unanswered past the straggler limit (`now`: loop time)."""
+        return self._unanswered.silent_for(peer_id, now) > self.latency.straggler_timeout()
+
+    def _askable(self, peer_id: PeerID, now: float, loop_now: float) -> bool:
+        return not self.blacklist.is_banned(peer_id, now) and not self._is_silent(peer_id, loop_now)
+
     def _initial_nodes(self, queries: Collection[DHTID], count: int) -> dict[DHTID, list[tuple[DHTID, PeerID]]]:
-        now = get_dht_time()
-        return {
-            query: [
-                (node_id, peer_id)
-                for node_id, peer_id in self.routing_table.get_nearest_neighbors(query, count, exclude=self.node_id)
-                if not self.blacklist.is_banned(peer_id, now)
-            ]
-            for query in queries
-        }
+        """The `count` nearest entries to each query that may be asked (banned and silent ones are
+        passed over, so a table crowded with dead entries still starts a lookup with live ones)."""
+        now, loop_now = get_dht_time(), asyncio.get_running_loop().time()
+        initial = {}
+        for query in queries:
+            wanted = count
+            while True:
+                nearest = self.routing_table.get_nearest_neighbors(query, wanted, exclude=self.node_id)
+                askable = [(node_id, peer_id) for node_id, peer_id in nearest if self._askable(peer_id, now, loop_now)]
+                if len(askable) >= count or len(nearest) < wanted:
+                    break
+                wanted *= 2
+            initial[query] = askable[:count]
+        return initial
 
     async def _traverse(self, traversal: Traversal, on_result=None) -> None:
         """Drive a Traversal: keep its requests in flight, feed it answers, stop when it is done.
@@ -333,9 +400,11 @@ class DHTNode(StoreAndGet):
 
         Requests outstanding past the traversal's straggler timeout stop holding the lookup up
         (see traverse.py). When the lookup ends, stragglers are left to finish in the background
-        (bounded by `wait_timeout`), so a silent peer is still banned and dropped from the routing
-        table, and a slow one refreshed in it; the other requests still in flight are cancelled."""
+        (bounded by the request timeout), so a silent peer is still banned and dropped from the
+        routing table, and a slow one refreshed in it; the other requests still in flight are
+        cancelled. Peers that are banned or silent are not taken as candidates."""
         pending: dict[asyncio.Task, TraversalRequest] = {}
+        failures: dict[DHTID, int] = {}
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -354,17 +423,21 @@ class DHTNode(StoreAndGet):
                     response: FindResponse | None = task.result()
                     if response is None or len(response.results) != len(request.queries):
                         traversal.on_failure(request)
+                        for query in request.queries:  # reach past the dead: more of our own table
+                            failures[query] = failures.get(query, 0) + 1
+                            more = self._initial_nodes([query], traversal.beam_size + failures[query])[query]
+                            traversal.add_candidates(query, more)
                         continue
                     if response.addresses:
                         self.rpc.add_addresses(response.addresses)
                     neighbours = {}
-                    check_bans = len(self.blacklist) > 0
+                    check = len(self.blacklist) > 0 or len(self._unanswered) > 0
+                    loop_now = loop.time()
                     for query, result in zip(request.queries, response.results):
                         neighbours[query] = [
                             (node_id, peer_id)
                             for node_id, peer_id in result.nearest
-                            if node_id != self.node_id
-                            and not (check_bans and self.blacklist.is_banned(peer_id, now))
+                            if node_id != self.node_id and not (check and not self._askable(peer_id, now, loop_now))
                         ]
                         if on_result is not None:
                             on_result(request, query, self.protocol.filter_found(query, result, now))

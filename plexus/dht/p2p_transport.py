@@ -8,7 +8,7 @@ in-memory network's, so the node treats both transports the same way.
 from ..p2p import rpc
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
-from ..p2p.multiaddr import Multiaddr, MultiaddrError
+from ..p2p.multiaddr import Multiaddr, MultiaddrError, parse_host_port
 from .messages import DHTRPCError
 from .transport import RequestHandler
 
@@ -58,6 +58,18 @@ class HostDHTTransport:
 
     def known_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
         return self._binary_addresses(peer)[:MAX_SHARED_ADDRESSES]
+
+    def remote_ip(self, peer: PeerID) -> str | None:
+        """The IP of the live direct connection to `peer`: the address it dialed us from, or the one
+        we dialed (authenticated by the handshake, unlike the addresses a peer advertises)."""
+        connection = self.host.get_connection(peer)
+        addr = connection.remote_addr if connection is not None else None
+        if addr is None or addr.is_circuit:
+            return None
+        try:
+            return parse_host_port(addr)[0]
+        except MultiaddrError:
+            return None
 
     def add_addresses(self, addresses) -> None:
         for peer, raw_addrs in addresses:

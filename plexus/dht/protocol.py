@@ -3,12 +3,15 @@
 Theory of operation. `DHTProtocol.handle(sender, request, now)` turns one decoded request into its
 response and a list of follow-up actions, updating storage and the routing table on the way; it
 does no I/O and reads no clock. The node's driver performs the actions:
-- `PingToEvict`: a bucket is full and may not split; ping its least-recently-seen peer, and if that
-  fails, `peer_failed` evicts it (a replacement, such as the newcomer, takes its place);
+- `PingToEvict`: a bucket is full and may not split, or an entry we just named in a find answer
+  has been silent for a while (liveness.py); ping that peer, and if that fails, `peer_failed`
+  evicts it (a replacement, such as the newcomer, takes its place);
 - `HandOver`: a new peer is now among the `num_replicas` nearest known peers of keys we are
   responsible for; send it those records (Kademlia's key transfer on join).
 The routing table is updated from every request that names a sender id (client-mode senders name
-none, so they never enter it) and, via `peer_seen`, from every answered outgoing request.
+none, so they never enter it) and, via `peer_seen`, from every answered outgoing request. Each
+peer comes with its IP as the transport saw it (`ip_of`), for the table's diversity bounds; a
+peer they turn away is logged (once a minute per network) and otherwise served as usual.
 Ping with `validate` asks us to ping the caller back; the driver does that first and passes the
 outcome as `available`, and the caller is added to the table only if it answered.
 
@@ -17,9 +20,11 @@ Records are validated before they are stored; the driver validates found records
 """
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 from ..p2p.identity import PeerID
+from ..utils.logging import RateLimitedLog
 from .messages import (
     FindRequest,
     FindResponse,
@@ -34,9 +39,11 @@ from .messages import (
 )
 from .records import PLAIN_VALUE_SUBKEY, make_record, merge_found
 from .routing import DHTID, RoutingTable
+from .liveness import LivenessChecker
 from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
 from .validation import RecordValidatorBase
 
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +80,13 @@ class DHTProtocol:
         num_replicas: int = 5,
         client_mode: bool = False,
         addresses_of: Callable[[PeerID], Sequence[bytes]] | None = None,
+        ip_of: Callable[[PeerID], str | None] | None = None,
+        liveness: LivenessChecker | None = None,
     ):
         self.node_id, self.routing_table, self.storage, self.cache = node_id, routing_table, storage, cache
         self.validator, self.num_replicas, self.client_mode = validator, num_replicas, client_mode
-        self.addresses_of = addresses_of
+        self.addresses_of, self.ip_of, self.liveness = addresses_of, ip_of, liveness
+        self._refusals = RateLimitedLog(logger)
 
     @property
     def own_id(self) -> DHTID | None:
@@ -98,6 +108,10 @@ class DHTProtocol:
             return StoreResponse(self.own_id, tuple(self.store_item(item, now) for item in request.items)), actions
         if isinstance(request, FindRequest):
             results = tuple(self._find(key, request.node_id, now) for key in request.keys)
+            if self.liveness is not None:
+                named = dict.fromkeys(entry for result in results for entry in result.nearest)
+                due = self.liveness.to_check(named, self.routing_table.last_seen, now)
+                actions.extend(PingToEvict(node_id, peer_id) for node_id, peer_id in due)
             return FindResponse(self.own_id, results, self._addresses(results)), actions
         raise TypeError(f"not a DHT request: {type(request).__name__}")
 
@@ -142,7 +156,13 @@ class DHTProtocol:
 
     def peer_seen(self, node_id: DHTID, peer_id: PeerID, now: float) -> list[Action]:
         is_new = node_id not in self.routing_table
-        to_ping = self.routing_table.add_or_update_node(node_id, peer_id, now)
+        ip = self.ip_of(peer_id) if self.ip_of is not None else None
+        if is_new and (refusal := self.routing_table.refusal(node_id, ip)) is not None:
+            group = self.routing_table.diversity.group_of(ip)
+            self._refusals.log(logging.INFO, ("routing diversity", group),
+                               f"not adding {peer_id} at {ip} to the routing table: {refusal}")
+            return []
+        to_ping = self.routing_table.add_or_update_node(node_id, peer_id, now, ip)
         actions: list[Action] = []
         if to_ping is not None:
             actions.append(PingToEvict(*to_ping))

@@ -9,16 +9,25 @@ Otherwise the newcomer waits in the replacement list and the caller is told to p
 least-recently-seen peer; if that ping fails, `remove` evicts it and promotes the freshest
 replacement. The table does no I/O and reads no clock: the node passes `now` and does the pings.
 
+With `diversity` set, each peer also counts against the group of its IP address (diversity.py):
+a peer whose group already holds its share of the peers at its distance (those with as long a
+common prefix with our id: one k-bucket of a fully split table, entries and replacements
+together) or of the whole table is refused, and a replacement is promoted only while its group
+has room in the table.
+A peer's group is judged when it is admitted, from the address the caller passes.
+
 The DHT id is separate from the libp2p PeerID; the table maps one to the other both ways.
 """
 
+import collections
 import hashlib
 import heapq
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..p2p.identity import PeerID
 from ..utils.serializer import MSGPackSerializer
+from .diversity import DiversityOptions
 
 ID_BITS = 160
 ID_BYTES = ID_BITS // 8
@@ -68,14 +77,20 @@ class KBucket:
         self.lower, self.upper, self.size, self.depth = lower, upper, size, depth
         self.nodes: dict[DHTID, PeerID] = {}  # insertion order = least recently seen first
         self.replacements: dict[DHTID, PeerID] = {}
+        self.groups: dict[DHTID, str] = {}  # diversity group of the limited peers, entries and replacements
+        self.seen: dict[DHTID, float] = {}  # when each entry or replacement last showed it was alive
         self.last_updated = float("-inf")
 
     def has_in_range(self, node_id: int) -> bool:
         return self.lower <= node_id < self.upper
 
-    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float) -> bool:
-        """Move the peer to the most-recently-seen end; False when the bucket is full (kept as replacement)."""
+    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float, group: str | None = None) -> bool:
+        """Move the peer to the most-recently-seen end; False when the bucket is full (kept as replacement).
+        `group` is the peer's diversity group, recorded when the peer is new to this bucket."""
         self.last_updated = now
+        if group is not None and node_id not in self.nodes and node_id not in self.replacements:
+            self.groups[node_id] = group
+        self.seen[node_id] = now
         if node_id in self.nodes or len(self.nodes) < self.size:
             self.nodes.pop(node_id, None)
             self.nodes[node_id] = peer_id
@@ -84,19 +99,30 @@ class KBucket:
         self.replacements.pop(node_id, None)
         self.replacements[node_id] = peer_id
         while len(self.replacements) > self.size * MAX_REPLACEMENTS_FACTOR:
-            del self.replacements[next(iter(self.replacements))]
+            oldest = next(iter(self.replacements))
+            del self.replacements[oldest]
+            self.groups.pop(oldest, None)
+            self.seen.pop(oldest, None)
         return False
+
 
     def least_recently_seen(self) -> tuple[DHTID, PeerID]:
         node_id = next(iter(self.nodes))
         return node_id, self.nodes[node_id]
 
-    def remove(self, node_id: DHTID) -> None:
-        """Drop a peer; a live one is replaced by the most recently seen replacement."""
+    def remove(self, node_id: DHTID, admits: Callable[[DHTID], bool] = lambda node_id: True) -> DHTID | None:
+        """Drop a peer; an entry is replaced by the most recently seen replacement that `admits`
+        allows. Returns the promoted replacement, if any."""
         self.replacements.pop(node_id, None)
-        if self.nodes.pop(node_id, None) is not None and self.replacements:
-            newest = next(reversed(self.replacements))
-            self.nodes[newest] = self.replacements.pop(newest)
+        self.groups.pop(node_id, None)
+        self.seen.pop(node_id, None)
+        if self.nodes.pop(node_id, None) is None:
+            return None
+        for candidate in reversed(self.replacements):
+            if admits(candidate):
+                self.nodes[candidate] = self.replacements.pop(candidate)
+                return candidate
+        return None
 
     def split(self) -> tuple["KBucket", "KBucket"]:
         middle = (self.lower + self.upper) // 2
@@ -106,6 +132,9 @@ class KBucket:
             for node_id, peer_id in source.items():
                 target = left if node_id < middle else right
                 getattr(target, attribute)[node_id] = peer_id
+        for attribute in ("groups", "seen"):
+            for node_id, value in getattr(self, attribute).items():
+                getattr(left if node_id < middle else right, attribute)[node_id] = value
         left.last_updated = right.last_updated = self.last_updated
         return left, right
 
@@ -121,13 +150,16 @@ class KBucket:
 class RoutingTable:
     """The k-buckets of one node, and the DHTID <-> PeerID map of the peers in them."""
 
-    def __init__(self, node_id: DHTID, bucket_size: int = 20, depth_modulo: int = 5):
+    def __init__(self, node_id: DHTID, bucket_size: int = 20, depth_modulo: int = 5,
+                 diversity: DiversityOptions | None = None):
         if bucket_size < 1 or depth_modulo < 1:
             raise ValueError("bucket_size and depth_modulo must be positive")
         self.node_id, self.bucket_size, self.depth_modulo = node_id, bucket_size, depth_modulo
+        self.diversity = diversity
         self.buckets = [KBucket(DHTID.MIN, DHTID.MAX, bucket_size)]
         self.uid_to_peer_id: dict[DHTID, PeerID] = {}
         self.peer_id_to_uid: dict[PeerID, DHTID] = {}
+        self.group_sizes: collections.Counter[str] = collections.Counter()  # entries (not replacements) per group
 
     def get_bucket_index(self, node_id: int) -> int:
         lo, hi = 0, len(self.buckets)  # buckets are sorted and contiguous: binary search
@@ -139,39 +171,90 @@ class RoutingTable:
                 lo = mid
         return lo
 
-    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float) -> tuple[DHTID, PeerID] | None:
-        """Record that the peer was seen alive. Returns a (node_id, peer_id) to ping when the bucket is
-        full and may not split: if that ping fails, call `remove` so the newcomer takes its place."""
-        if node_id == self.node_id:
+    def refusal(self, node_id: DHTID, ip: str | None) -> str | None:
+        """Why a peer at `ip` may not enter the table under the diversity bounds (None: it may).
+        A peer already in a bucket, as an entry or a replacement, is never refused."""
+        group = self.diversity.group_of(ip) if self.diversity is not None else None
+        return self._refusal(node_id, group)
+
+    def _refusal(self, node_id: DHTID, group: str | None) -> str | None:
+        if group is None:
+            return None
+        bucket = self.buckets[self.get_bucket_index(node_id)]
+        if node_id in bucket.nodes or node_id in bucket.replacements:
+            return None
+        limit = self.diversity.max_per_table
+        if limit is not None and self.group_sizes[group] >= limit:
+            return f"{group} already has {self.group_sizes[group]} routing-table entries (max_per_table={limit})"
+        limit = self.diversity.max_per_bucket
+        if limit is not None and (count := self.count_at_distance(group, node_id)) >= limit:
+            return f"{group} already has {count} peers at that distance (max_per_bucket={limit})"
+        return None
+
+    def common_prefix_length(self, node_id: int) -> int:
+        return ID_BITS - (node_id ^ self.node_id).bit_length()
+
+    def count_at_distance(self, group: str, node_id: DHTID) -> int:
+        """Entries and replacements in `group` with as long a common prefix with our id as
+        `node_id` has: one k-bucket's worth once the table is fully split. They all sit in one
+        bucket (a far one holds a single prefix length, ours every longer one)."""
+        bucket = self.buckets[self.get_bucket_index(node_id)]
+        length = self.common_prefix_length(node_id)
+        return sum(1 for member, member_group in bucket.groups.items()
+                   if member_group == group and self.common_prefix_length(member) == length)
+
+    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float,
+                           ip: str | None = None) -> tuple[DHTID, PeerID] | None:
+        """Record that the peer (at `ip`, if known) was seen alive. Returns a (node_id, peer_id) to ping
+        when the bucket is full and may not split: if that ping fails, call `remove` so the newcomer
+        takes its place. A peer that `refusal` turns away is not recorded at all."""
+        group = self.diversity.group_of(ip) if self.diversity is not None else None
+        if node_id == self.node_id or self._refusal(node_id, group) is not None:
             return None
         old_uid = self.peer_id_to_uid.get(peer_id)
         if old_uid is not None and old_uid != node_id:
             self.remove(old_uid)  # the peer restarted with a new DHT id
+        return self._add(node_id, peer_id, now, group)
+
+    def _add(self, node_id: DHTID, peer_id: PeerID, now: float, group: str | None) -> tuple[DHTID, PeerID] | None:
         index = self.get_bucket_index(node_id)
         bucket = self.buckets[index]
-        if bucket.add_or_update_node(node_id, peer_id, now):
-            self._register(node_id, peer_id)
+        if bucket.add_or_update_node(node_id, peer_id, now, group):
+            self._register(node_id, peer_id, bucket)
             return None
         if bucket.has_in_range(self.node_id) or bucket.depth % self.depth_modulo != 0:
             bucket.replacements.pop(node_id, None)
+            bucket.groups.pop(node_id, None)
+            bucket.seen.pop(node_id, None)
             self.buckets[index : index + 1] = bucket.split()
-            return self.add_or_update_node(node_id, peer_id, now)
+            return self._add(node_id, peer_id, now, group)
         return bucket.least_recently_seen()
 
-    def _register(self, node_id: DHTID, peer_id: PeerID) -> None:
+    def _register(self, node_id: DHTID, peer_id: PeerID, bucket: KBucket) -> None:
+        if node_id not in self.uid_to_peer_id and (group := bucket.groups.get(node_id)) is not None:
+            self.group_sizes[group] += 1
         self.uid_to_peer_id[node_id] = peer_id
         self.peer_id_to_uid[peer_id] = node_id
+
+    def _has_room(self, bucket: KBucket, node_id: DHTID) -> bool:
+        group = bucket.groups.get(node_id)
+        limit = self.diversity.max_per_table if self.diversity is not None else None
+        return group is None or limit is None or self.group_sizes[group] < limit
 
     def remove(self, node_id: DHTID) -> None:
         """Evict a peer that failed to answer (promoting a replacement into its bucket)."""
         bucket = self.buckets[self.get_bucket_index(node_id)]
-        bucket.remove(node_id)
+        group = bucket.groups.get(node_id)
         peer_id = self.uid_to_peer_id.pop(node_id, None)
+        if peer_id is not None and group is not None:
+            self.group_sizes[group] -= 1
+            if self.group_sizes[group] <= 0:
+                del self.group_sizes[group]
         if peer_id is not None and self.peer_id_to_uid.get(peer_id) == node_id:
             del self.peer_id_to_uid[peer_id]
-        for promoted_id, promoted_peer in bucket.nodes.items():
-            if promoted_id not in self.uid_to_peer_id:
-                self._register(promoted_id, promoted_peer)
+        promoted = bucket.remove(node_id, lambda candidate: self._has_room(bucket, candidate))
+        if promoted is not None:
+            self._register(promoted, bucket.nodes[promoted], bucket)
 
     def remove_peer(self, peer_id: PeerID) -> DHTID | None:
         node_id = self.peer_id_to_uid.get(peer_id)
@@ -199,6 +282,17 @@ class RoutingTable:
                     heapq.heapreplace(best, (-distance, node_id))
         nearest = sorted(best, key=lambda item: -item[0])
         return [(node_id, self.uid_to_peer_id[node_id]) for _, node_id in nearest]
+
+    def last_seen(self, node_id: DHTID) -> float | None:
+        """When the entry last showed it was alive (an answer or a request of its own), if it is in."""
+        return self.buckets[self.get_bucket_index(node_id)].seen.get(node_id)
+
+    def not_seen_since(self, moment: float) -> list[tuple[DHTID, PeerID]]:
+        """The entries (not replacements) that have shown no sign of life since `moment`, oldest first."""
+        quiet = [(bucket.seen.get(node_id, float("-inf")), node_id, peer_id)
+                 for bucket in self.buckets for node_id, peer_id in bucket.nodes.items()
+                 if bucket.seen.get(node_id, float("-inf")) < moment]
+        return [(node_id, peer_id) for _, node_id, peer_id in sorted(quiet, key=lambda item: item[0])]
 
     def stale_buckets(self, now: float, refresh_timeout: float) -> list[KBucket]:
         return [bucket for bucket in self.buckets if bucket.last_updated < now - refresh_timeout]

@@ -27,6 +27,10 @@ class DHTTransport(Protocol):
     def known_addresses(self, peer: PeerID) -> Sequence[bytes]:
         """Binary multiaddrs we can share so that others can dial `peer` (may be empty)."""
 
+    def remote_ip(self, peer: PeerID) -> str | None:
+        """The IP address our connection to `peer` runs to (None: unknown, e.g. relayed), which
+        the routing table's diversity bounds count the peer against."""
+
     def add_addresses(self, addresses: Sequence[tuple[PeerID, Sequence[bytes]]]) -> None:
         """Remember addresses that another peer shared, so that we can dial the peers it named."""
 

@@ -7,7 +7,9 @@ modes for tests:
 - `kill(peer)`: calls to it fail with ConnectionError at once (as a refused connection would);
 - `make_unresponsive(peer)`: calls to it hang until the caller's timeout (TimeoutError);
 - `latency`: each call waits that long before delivery (a scheduled delay, not synchronisation).
-A handler that raises becomes `DHTRPCError` at the caller, as a remote error would.
+A handler that raises becomes `DHTRPCError` at the caller, as a remote error would. A transport
+may be given a simulated IP (`create_transport(ip=...)`), which others see as `remote_ip`, so the
+routing table's per-network bounds can be tested without sockets.
 """
 
 import asyncio
@@ -25,10 +27,14 @@ class MemoryNetwork:
         self._handlers: dict[PeerID, Handler] = {}
         self._dead: set[PeerID] = set()
         self._unresponsive: set[PeerID] = set()
+        self._ips: dict[PeerID, str] = {}
         self.calls = 0
 
-    def create_transport(self, private_key: PrivateKey | None = None) -> "MemoryTransport":
-        return MemoryTransport(self, (private_key or PrivateKey.generate()).peer_id)
+    def create_transport(self, private_key: PrivateKey | None = None, ip: str | None = None) -> "MemoryTransport":
+        peer_id = (private_key or PrivateKey.generate()).peer_id
+        if ip is not None:
+            self._ips[peer_id] = ip
+        return MemoryTransport(self, peer_id)
 
     def kill(self, peer_id: PeerID) -> None:
         self._dead.add(peer_id)
@@ -84,6 +90,9 @@ class MemoryTransport:
 
     def known_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
         return ()  # every peer is reachable by id alone on this network
+
+    def remote_ip(self, peer: PeerID) -> str | None:
+        return self.network._ips.get(peer)
 
     def add_addresses(self, addresses) -> None:
         pass

@@ -132,11 +132,16 @@ def stream_messages(serialized: list[SerializedTensor], chunk_bytes: int = STREA
     yield batch  # possibly empty: a stream always carries at least one message
 
 
-def deserialize_unary(tensors: list[bytes]) -> list[torch.Tensor]:
-    """Whole tensors from one message; CompressionError on anything malformed."""
+def deserialize_unary(tensors: list[bytes], check_header=None) -> list[torch.Tensor]:
+    """Whole tensors from one message; CompressionError on anything malformed. `check_header(index,
+    serialized)` may veto each tensor by its header (shape, dtype) before any is decoded."""
     if len(tensors) > MAX_TENSORS:
         raise CompressionError(f"{len(tensors)} tensors in one message, more than {MAX_TENSORS}")
-    return [deserialize_torch_tensor(SerializedTensor.from_bytes(data)) for data in tensors]
+    serialized = [SerializedTensor.from_bytes(data) for data in tensors]
+    if check_header is not None:
+        for index, header in enumerate(serialized):
+            check_header(index, header)
+    return [deserialize_torch_tensor(tensor) for tensor in serialized]
 
 
 class StreamCollector:

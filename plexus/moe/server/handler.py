@@ -1,12 +1,19 @@
 """The expert RPC service on a Host: info, forward and backward, unary and streaming.
 
-Every request is checked against the expert's schema before anything is queued: the uid must be
-served here, the tensor count must match, each tensor must have the descriptor's dtype and
-non-batch shape, all must share one batch size in [1, max_batch_size]. In the streaming variants
-each tensor's header chunk is checked as it arrives, before its data is buffered. A request that
-fails a check gets an error naming the expert, the tensor and what was expected; nothing else is
+Every request is checked against the expert's schema before anything is decoded or queued: the
+uid must be served here, the tensor count must match, each tensor must have the descriptor's
+dtype and non-batch shape, all must share one batch size in [1, max_batch_size]. Unary requests
+are checked by their tensors' headers before any tensor is decoded; in the streaming variants each
+tensor's header chunk is checked as it arrives, before its data is buffered. A request that fails
+a check gets an error naming the expert, the tensor and what was expected; nothing else is
 affected. The RPC layer answers garbage bytes the same way. Each call, reading included, is
 bounded by `request_timeout`.
+
+One peer may have at most `max_requests_per_peer` forward and backward calls under way at once
+(reading, queued or computing); one more is refused with an error saying so, and the refusal is
+logged once a minute per peer. Queued work is tagged with the calling peer, so the runtime shares
+compute between peers fairly (runtime.py): a peer flooding the server waits behind its own
+requests, not in front of everyone else's.
 
 Wire format and protocol ids: `plexus.moe.messages`.
 """
@@ -23,7 +30,8 @@ from ...compression import CompressionError, SerializedTensor
 from ...compression.wire import DTYPE_NAMES
 from ...p2p import rpc
 from ...p2p.host import Host
-from ...utils.logging import get_logger
+from ...p2p.identity import PeerID
+from ...utils.logging import RateLimitedLog, get_logger
 from ..messages import (
     BACKWARD_PROTOCOL,
     BACKWARD_STREAM_PROTOCOL,
@@ -49,6 +57,7 @@ from .runtime import TaskRejected
 logger = get_logger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT = 120.0
+DEFAULT_MAX_REQUESTS_PER_PEER = 64  # a mixture's forward sends one call per chosen expert of a server
 PROTOCOLS = (INFO_PROTOCOL, FORWARD_PROTOCOL, BACKWARD_PROTOCOL, FORWARD_STREAM_PROTOCOL, BACKWARD_STREAM_PROTOCOL)
 
 
@@ -64,8 +73,14 @@ class ConnectionHandler:
     """Serves `module_backends` on `host` under the `/plexus/moe/...` protocol ids."""
 
     def __init__(self, host: Host, module_backends: dict[str, ModuleBackend], *,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+                 max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER):
+        if max_requests_per_peer < 1:
+            raise ValueError(f"max_requests_per_peer must be at least 1, got {max_requests_per_peer}")
         self.host, self.module_backends, self.request_timeout = host, module_backends, request_timeout
+        self.max_requests_per_peer = max_requests_per_peer
+        self._under_way: dict[PeerID, int] = {}
+        self._refusals = RateLimitedLog(logger)
 
     def register(self) -> None:
         for protocol in PROTOCOLS:
@@ -85,7 +100,17 @@ class ConnectionHandler:
             self.host.remove_stream_handler(protocol)
 
     @contextlib.asynccontextmanager
-    async def _deadline(self):
+    async def _serving(self, context: rpc.RPCContext):
+        """Admit one call of the peer under `max_requests_per_peer`, bounded by `request_timeout`."""
+        peer = context.remote_peer
+        count = self._under_way.get(peer, 0)
+        if count >= self.max_requests_per_peer:
+            self._refusals.warning(("expert requests per peer", peer),
+                                   f"refused a {context.protocol} call from {peer}: it has {count} calls under way "
+                                   f"(max_requests_per_peer={self.max_requests_per_peer})")
+            raise ExpertRequestError(f"too many calls from you under way ({count}, the server's "
+                                     f"max_requests_per_peer); wait for some to finish")
+        self._under_way[peer] = count + 1
         try:
             async with asyncio.timeout(self.request_timeout):
                 yield
@@ -93,6 +118,11 @@ class ConnectionHandler:
             raise ExpertTimeoutError(f"the request did not finish within the server's request_timeout of "
                                      f"{self.request_timeout} s (the server is busy or the expert is slow); "
                                      f"retry later or use another expert") from None
+        finally:
+            if self._under_way[peer] <= 1:
+                del self._under_way[peer]
+            else:
+                self._under_way[peer] -= 1
 
     # --- the five methods ---------------------------------------------------------------------------
 
@@ -100,30 +130,30 @@ class ConnectionHandler:
         return self._backend(request.uid).schema
 
     async def rpc_forward(self, request: ExpertRequest, context: rpc.RPCContext) -> ExpertResponse:
-        async with self._deadline():
+        async with self._serving(context):
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors)
-            return self._unary_response(await self._run(backend, inputs, backward=False))
+            return self._unary_response(await self._run(backend, inputs, False, context.remote_peer))
 
     async def rpc_backward(self, request: ExpertRequest, context: rpc.RPCContext) -> ExpertResponse:
-        async with self._deadline():
+        async with self._serving(context):
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors, backward=True)
-            return self._unary_response(await self._run(backend, inputs, backward=True))
+            return self._unary_response(await self._run(backend, inputs, True, context.remote_peer))
 
     async def rpc_forward_stream(self, requests: AsyncIterator[ExpertRequest],
                                  context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
-        async with self._deadline():
+        async with self._serving(context):
             backend, inputs = await self._collect(requests, backward=False)
-            outputs = await self._run(backend, inputs, backward=False)
+            outputs = await self._run(backend, inputs, False, context.remote_peer)
         for chunks in stream_messages(outputs):
             yield ExpertResponse(chunks)
 
     async def rpc_backward_stream(self, requests: AsyncIterator[ExpertRequest],
                                   context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
-        async with self._deadline():
+        async with self._serving(context):
             backend, inputs = await self._collect(requests, backward=True)
-            grads = await self._run(backend, inputs, backward=True)
+            grads = await self._run(backend, inputs, True, context.remote_peer)
         for chunks in stream_messages(grads):
             yield ExpertResponse(chunks)
 
@@ -177,14 +207,17 @@ class ConnectionHandler:
 
     def _decode(self, backend: ModuleBackend, tensors: list[bytes], backward: bool = False) -> list[torch.Tensor]:
         self._check_count(backend, backward, len(tensors))
+        batch_size = [None]
+
+        def check_header(index: int, header: SerializedTensor) -> None:
+            batch_size[0] = self._check_one(backend, backward, index, header.size, header.dtype, batch_size[0])
+
         try:
-            decoded = deserialize_unary(tensors)
+            decoded = deserialize_unary(tensors, check_header)
         except CompressionError as error:
             raise ExpertRequestError(f"expert {backend.name!r}: malformed tensor: {error}") from None
-        batch_size = None
-        for index, tensor in enumerate(decoded):
-            batch_size = self._check_one(backend, backward, index, tensor.shape, DTYPE_NAMES[tensor.dtype],
-                                         batch_size)
+        for index, tensor in enumerate(decoded):  # what the data holds, not only what the header says
+            self._check_one(backend, backward, index, tensor.shape, DTYPE_NAMES[tensor.dtype], batch_size[0])
         return decoded
 
     async def _collect(self, requests: AsyncIterator[ExpertRequest],
@@ -214,11 +247,11 @@ class ConnectionHandler:
 
     # --- compute ------------------------------------------------------------------------------------
 
-    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor],
-                   backward: bool) -> list[SerializedTensor]:
+    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor], backward: bool,
+                   peer: PeerID) -> list[SerializedTensor]:
         pool = backend.backward_pool if backward else backend.forward_pool
         try:
-            future = pool.submit_task(*inputs)
+            future = pool.submit_task(*inputs, owner=peer)
         except TaskRejected as error:
             raise ExpertRequestError(str(error)) from None
         outputs = await future

@@ -1,30 +1,40 @@
-"""The batching runtime: per-backend task pools and one compute thread, oldest work first.
+"""The batching runtime: per-backend task pools and one compute thread, shared fairly between callers.
 
 Theory of operation
 -------------------
-Requests arrive on the event loop. `TaskPool.submit_task(*tensors)` appends a `Task` (its batch
-of batch-first tensors, its size, an asyncio future and its arrival time) to the pool's queue and
-wakes the compute thread; it takes a lock for a few list operations and never waits for compute,
-so the loop is never blocked.
+Requests arrive on the event loop. `TaskPool.submit_task(*tensors, owner=peer)` appends a `Task`
+(its batch of batch-first tensors, its size, an asyncio future, its arrival time and its owner,
+the peer that asked) to that owner's queue in the pool and wakes the compute thread; it takes a
+lock for a few list operations and never waits for compute, so the loop is never blocked.
 
 The `Runtime` owns one daemon thread that runs every module (one thread: a module is never run by
-two threads at once, and the optimizer step of a backward never races a forward). Its loop:
+two threads at once, and the optimizer step of a backward never races a forward). It shares that
+thread between owners by the compute time each received (start-time fair queueing, with batches
+as the unit): every batch's duration is charged to the owners of its tasks in proportion to their
+rows, over all pools, and the owner who received least goes next. An owner with nothing waiting
+is forgotten; when it asks again it starts level with the least-served waiting owner, so being
+idle earns no credit and asking little wins the ties. One client flooding the server with large
+requests then delays another client by at most about one batch (the one running), not by its
+whole queue. Its loop:
 
-1. Drop tasks whose future was cancelled (the caller gave up) from the head of each queue.
+1. Drop tasks whose future was cancelled (the caller gave up) from the head of each owner's queue.
 2. A pool is *ready* when its waiting rows reach `min_batch_size`, or when its oldest task has
    waited `timeout` seconds (so a lone request is not stranded below the minimum).
-3. Of the ready pools, take the one whose oldest task arrived first; with none ready, sleep until
-   the next such deadline or a new submission.
-4. Form a batch from that pool's queue in arrival order, up to `max_batch_size` rows, stopping at
-   the first task whose non-batch shapes differ (it starts the next batch). Concatenate, run the
-   pool's function, split the outputs by task sizes, and hand each result (or the exception) back
-   to its loop with `call_soon_threadsafe`.
+3. Of the owners with tasks in ready pools, take the least served (then the one with fewer tasks
+   waiting, then the oldest task first: with a single owner this is hivemind's oldest-first order);
+   with none ready, sleep until the next such deadline or a new submission.
+4. Form a batch in that owner's pool: its oldest task first, then one task per owner in the order
+   of service received, round after round, up to `max_batch_size` rows, skipping tasks whose
+   non-batch shapes differ from the first (they go in a later batch). Concatenate, run the pool's
+   function, split the outputs by task sizes, hand each result (or the exception) back to its loop
+   with `call_soon_threadsafe`, and charge the batch's duration.
 
 A single task larger than `max_batch_size` is refused at submission, and each pool holds at most
-`max_pending_tasks` tasks (the server answers "overloaded" past that). Jobs given to
-`Runtime.submit_job` (checkpoints) run on the same thread between batches, so they see modules at
-rest. What is left out: hivemind's prefetching of batches in a second process and stats reports;
-one thread, no copies into shared memory.
+`max_pending_tasks` tasks (the server answers "overloaded" past that; how many one peer may have
+under way is the server's `max_requests_per_peer`). Jobs given to `Runtime.submit_job`
+(checkpoints) run on the same thread between batches, so they see modules at rest. What is left
+out: hivemind's prefetching of batches in a second process and stats reports; one thread, no
+copies into shared memory.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ import concurrent.futures
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -50,10 +60,11 @@ class TaskRejected(ValueError):
 
 
 class Task:
-    __slots__ = ("inputs", "size", "future", "loop", "arrived")
+    __slots__ = ("inputs", "size", "future", "loop", "arrived", "owner")
 
-    def __init__(self, inputs: Sequence[torch.Tensor], size: int, future: asyncio.Future, arrived: float):
-        self.inputs, self.size, self.future, self.arrived = inputs, size, future, arrived
+    def __init__(self, inputs: Sequence[torch.Tensor], size: int, future: asyncio.Future, arrived: float,
+                 owner: Hashable = None):
+        self.inputs, self.size, self.future, self.arrived, self.owner = inputs, size, future, arrived, owner
         self.loop = future.get_loop()
 
     def signature(self) -> tuple:
@@ -75,14 +86,16 @@ class TaskPool:
         self.min_batch_size, self.max_batch_size, self.timeout = min_batch_size, max_batch_size, timeout
         self.max_pending_tasks = max_pending_tasks
         self.clock = clock
-        self._tasks: deque[Task] = deque()
+        self._queues: dict[Hashable, deque[Task]] = {}  # per owner, oldest first
+        self._pending = self._rows = 0
         self._lock = threading.Lock()
         self._wakeup = threading.Event()  # replaced by the runtime's own when attached
         self._closed_reason: str | None = None
 
-    def submit_task(self, *inputs: torch.Tensor) -> asyncio.Future:
-        """Queue one request (batch-first tensors with a common batch size); await the future for its
-        outputs. Must be called from a running event loop. Raises TaskRejected."""
+    def submit_task(self, *inputs: torch.Tensor, owner: Hashable = None) -> asyncio.Future:
+        """Queue one request (batch-first tensors with a common batch size) on behalf of `owner`
+        (the peer that sent it; None: a local caller); await the future for its outputs. Must be
+        called from a running event loop. Raises TaskRejected."""
         if not inputs:
             raise TaskRejected(f"{self.name}: a request needs at least one tensor")
         size = inputs[0].shape[0] if inputs[0].dim() else 0
@@ -96,46 +109,74 @@ class TaskPool:
         with self._lock:
             if self._closed_reason is not None:
                 raise TaskRejected(f"{self.name}: {self._closed_reason}")
-            if len(self._tasks) >= self.max_pending_tasks:
-                raise TaskRejected(f"{self.name} is overloaded ({len(self._tasks)} requests waiting); retry later "
+            if self._pending >= self.max_pending_tasks:
+                raise TaskRejected(f"{self.name} is overloaded ({self._pending} requests waiting); retry later "
                                    f"or use another expert")
-            self._tasks.append(Task(inputs, size, future, self.clock()))
+            self._queues.setdefault(owner, deque()).append(Task(inputs, size, future, self.clock(), owner))
+            self._pending += 1
+            self._rows += size
         self._wakeup.set()
         return future
 
     @property
     def num_pending(self) -> int:
-        return len(self._tasks)
+        return self._pending
 
-    def _oldest(self) -> Task | None:
-        """The oldest live task (cancelled ones are dropped); call with the lock held."""
-        while self._tasks and self._tasks[0].future.done():
-            self._tasks.popleft()
-        return self._tasks[0] if self._tasks else None
+    def _drop_cancelled(self) -> None:
+        """Drop cancelled tasks from the head of each queue, and empty queues; call with the lock held."""
+        for owner in list(self._queues):
+            queue = self._queues[owner]
+            while queue and queue[0].future.done():
+                self._rows -= queue.popleft().size
+                self._pending -= 1
+            if not queue:
+                del self._queues[owner]
 
-    def _poll(self, now: float) -> tuple[float, bool] | None:
-        """(arrival of the oldest task, whether a batch is ready), or None when empty."""
+    def _poll(self, now: float) -> tuple[float, bool, dict[Hashable, tuple[float, int]]] | None:
+        """(arrival of the oldest task, whether a batch is ready, {owner: (arrival of its oldest task,
+        its tasks waiting)}), or None when empty."""
         with self._lock:
-            oldest = self._oldest()
-            if oldest is None:
+            self._drop_cancelled()
+            if not self._queues:
                 return None
-            ready = sum(t.size for t in self._tasks) >= self.min_batch_size or now - oldest.arrived >= self.timeout
-            return oldest.arrived, ready
+            heads = {owner: (queue[0].arrived, len(queue)) for owner, queue in self._queues.items()}
+            oldest = min(arrived for arrived, _ in heads.values())
+            return oldest, self._rows >= self.min_batch_size or now - oldest >= self.timeout, heads
 
-    def _take_batch(self) -> list[Task]:
+    def _take_batch(self, order: Sequence[Hashable]) -> list[Task]:
+        """A batch of up to `max_batch_size` rows: the oldest task of `order[0]`, then one task per
+        owner in `order` (owners not in it last), round after round, each owner's oldest first."""
         with self._lock:
-            batch, rows = [], 0
-            while (task := self._oldest()) is not None and rows + task.size <= self.max_batch_size:
-                if batch and task.signature() != batch[0].signature():
-                    break
-                batch.append(self._tasks.popleft())
-                rows += task.size
+            self._drop_cancelled()
+            owners = [owner for owner in order if owner in self._queues]
+            owners += [owner for owner in self._queues if owner not in owners]
+            batch, rows, signature = [], 0, None
+            progress = True
+            while progress:
+                progress = False
+                for owner in owners:
+                    queue = self._queues.get(owner)
+                    task = next((task for task in queue if not task.future.done()), None) if queue else None
+                    if task is None or rows + task.size > self.max_batch_size:
+                        continue
+                    if signature is not None and task.signature() != signature:
+                        continue
+                    signature = task.signature()
+                    queue.remove(task)
+                    self._pending -= 1
+                    self._rows -= task.size
+                    if not queue:
+                        del self._queues[owner]
+                    batch.append(task)
+                    rows += task.size
+                    progress = True
             return batch
 
     def _close(self, reason: str) -> list[Task]:
         with self._lock:
             self._closed_reason = reason
-            tasks, self._tasks = list(self._tasks), deque()
+            tasks = [task for queue in self._queues.values() for task in queue]
+            self._queues, self._pending, self._rows = {}, 0, 0
             return tasks
 
     def _reopen(self) -> None:
@@ -143,7 +184,8 @@ class TaskPool:
             self._closed_reason = None
 
     def __repr__(self) -> str:
-        return f"<TaskPool {self.name} pending={len(self._tasks)} batch=[{self.min_batch_size}, {self.max_batch_size}]>"
+        return (f"<TaskPool {self.name} pending={self._pending} from {len(self._queues)} owners "
+                f"batch=[{self.min_batch_size}, {self.max_batch_size}]>")
 
 
 def _resolve(task: Task, result=None, error: BaseException | None = None) -> None:
@@ -160,7 +202,7 @@ def _resolve(task: Task, result=None, error: BaseException | None = None) -> Non
 
 
 class Runtime:
-    """Runs every pool's work on one compute thread, always serving the oldest waiting request first."""
+    """Runs every pool's work on one compute thread, the least-served owner first (see the module docstring)."""
 
     def __init__(self, pools: Sequence[TaskPool], *, clock: Callable[[], float] = time.monotonic):
         self.pools = list(pools)
@@ -174,6 +216,7 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.batches_processed = 0
+        self._served: dict[Hashable, float] = {}  # compute seconds per owner with tasks waiting (thread-local)
 
     @classmethod
     def from_backends(cls, module_backends: dict, **kwargs) -> "Runtime":
@@ -221,11 +264,11 @@ class Runtime:
             self._wakeup.clear()  # cleared before looking, so a submission after the look still wakes us
             if self._run_jobs():
                 continue
-            pool, delay = self._choose(self.clock())
+            pool, order, delay = self._choose(self.clock())
             if pool is None:
                 self._wakeup.wait(delay)
                 continue
-            batch = pool._take_batch()
+            batch = pool._take_batch(order)
             if batch:
                 self._process(pool, batch)
 
@@ -240,20 +283,43 @@ class Runtime:
                     future.set_exception(error)
         return bool(jobs)
 
-    def _choose(self, now: float) -> tuple[TaskPool | None, float]:
-        best, best_arrival, next_deadline = None, float("inf"), now + 1.0
+    def _choose(self, now: float) -> tuple[TaskPool | None, list[Hashable], float]:
+        """(pool to serve, its owners in the order to serve them, seconds to sleep if none)."""
+        ready, waiting, next_deadline = [], {}, now + 1.0
         for pool in self.pools:
             polled = pool._poll(now)
             if polled is None:
                 continue
-            arrived, ready = polled
-            if ready and arrived < best_arrival:
-                best, best_arrival = pool, arrived
-            elif not ready:
-                next_deadline = min(next_deadline, arrived + pool.timeout)
-        return best, max(0.0, next_deadline - now)
+            oldest, is_ready, heads = polled
+            for owner, (_, count) in heads.items():
+                waiting[owner] = waiting.get(owner, 0) + count
+            if is_ready:
+                ready.append((pool, heads))
+            else:
+                next_deadline = min(next_deadline, oldest + pool.timeout)
+        self._settle_shares(waiting)
+        best, best_key = None, None
+        for pool, heads in ready:
+            for owner, (arrived, _) in heads.items():
+                key = (self._served[owner], waiting[owner], arrived)
+                if best_key is None or key < best_key:
+                    best, best_key = (pool, owner, heads), key
+        if best is None:
+            return None, [], max(0.0, next_deadline - now)
+        pool, first, heads = best
+        others = sorted((owner for owner in heads if owner != first), key=lambda owner: self._served[owner])
+        return pool, [first, *others], 0.0
+
+    def _settle_shares(self, waiting: dict[Hashable, int]) -> None:
+        """Forget owners with nothing waiting; a newcomer starts level with the least served of the rest."""
+        for owner in [owner for owner in self._served if owner not in waiting]:
+            del self._served[owner]
+        level = min(self._served.values(), default=0.0)
+        for owner in waiting:
+            self._served.setdefault(owner, level)
 
     def _process(self, pool: TaskPool, batch: list[Task]) -> None:
+        started = self.clock()
         try:
             inputs = [torch.cat(column) if len(batch) > 1 else column[0]
                       for column in zip(*(task.inputs for task in batch))]
@@ -270,9 +336,16 @@ class Runtime:
             for task in batch:
                 _resolve(task, error=error)
             return
+        finally:
+            self._charge(batch, self.clock() - started)
         self.batches_processed += 1
         for task, result in zip(batch, per_task):
             _resolve(task, result=tuple(result))
+
+    def _charge(self, batch: list[Task], seconds: float) -> None:
+        rows = sum(task.size for task in batch)
+        for task in batch:
+            self._served[task.owner] = self._served.get(task.owner, 0.0) + seconds * task.size / rows
 
     def __repr__(self) -> str:
         state = "running" if self._thread is not None else "stopped"

@@ -37,7 +37,7 @@ from ..expert_registry import declare_experts_async
 from ..expert_uid import is_valid_uid, sample_expert_uids
 from ..schema import BatchTensorDescriptor
 from .checkpoints import DEFAULT_KEEP_LAST, load_experts, saved_expert_uids, store_experts
-from .handler import DEFAULT_REQUEST_TIMEOUT, ConnectionHandler
+from .handler import DEFAULT_MAX_REQUESTS_PER_PEER, DEFAULT_REQUEST_TIMEOUT, ConnectionHandler
 from .layers import ClippingWrapper, name_to_block, name_to_input, schedule_name_to_scheduler
 from .module_backend import DUMMY_BATCH_SIZE, ModuleBackend
 from .runtime import Runtime
@@ -59,12 +59,14 @@ class Server:
         start: start serving now.
         checkpoint_dir: restore experts from here at start-up and save them every update_period.
         request_timeout: bound on one RPC, reading and queueing included.
+        max_requests_per_peer: forward and backward calls one peer may have under way at once.
         keep_checkpoints: timestamped checkpoints kept per expert.
     """
 
     def __init__(self, host_or_dht, module_backends: dict[str, ModuleBackend], *, update_period: float = 30.0,
                  expiration: float | None = None, start: bool = False, checkpoint_dir: str | Path | None = None,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keep_checkpoints: int = DEFAULT_KEEP_LAST):
+                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keep_checkpoints: int = DEFAULT_KEEP_LAST,
+                 max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER):
         if isinstance(host_or_dht, Host):
             self.host, self.dht = host_or_dht, None
         else:
@@ -84,7 +86,8 @@ class Server:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_checkpoints = keep_checkpoints
         self.runtime = Runtime.from_backends(self.module_backends)
-        self.handler = ConnectionHandler(self.host, self.module_backends, request_timeout=request_timeout) \
+        self.handler = ConnectionHandler(self.host, self.module_backends, request_timeout=request_timeout,
+                                         max_requests_per_peer=max_requests_per_peer) \
             if self.host is not None else None
         self.ready = threading.Event()
         self._stopped = threading.Event()
@@ -221,7 +224,8 @@ class Server:
                custom_module_path: str | None = None, update_period: float = 30.0,
                expiration: float | None = None, *, start: bool, host: Host | None = None, dht=None,
                rng: random.Random | None = None,
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT, **dht_kwargs) -> "Server":
+               request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+               max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER, **dht_kwargs) -> "Server":
         """Build a server of `expert_cls` experts (hivemind's arguments).
 
         Network: with neither `dht` nor `host` given, the server starts a DHT of its own
@@ -260,7 +264,8 @@ class Server:
                                       torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
                                       compression)
             server = cls(host if dht is None else dht, backends, update_period=update_period,
-                         expiration=expiration, checkpoint_dir=checkpoint_dir, request_timeout=request_timeout)
+                         expiration=expiration, checkpoint_dir=checkpoint_dir, request_timeout=request_timeout,
+                         max_requests_per_peer=max_requests_per_peer)
             server._owns_dht = owns_dht
             if start:
                 server.start()

@@ -31,11 +31,13 @@ def test_hand_out_checks_pick_stale_entries_once_per_period_within_the_budget():
     assert LivenessChecker(LivenessOptions(stale_after=None)).to_check(entries, seen.get, now=1e9) == []
 
 
-def test_sweeps_start_at_most_once_per_interval():
-    checker = LivenessChecker(LivenessOptions(sweep_interval=30.0))
+def test_sweeps_start_at_most_once_per_interval_sooner_after_a_quiet_entry_failed():
+    checker = LivenessChecker(LivenessOptions(sweep_interval=30.0, stale_after=2.0))
     assert checker.sweep_after_failure(sent_at=99.0, now=100.0) == 99.0
     assert checker.sweep_after_failure(sent_at=110.0, now=111.0) is None
-    assert checker.sweep_after_failure(sent_at=130.0, now=131.0) == 130.0
+    assert checker.sweep_after_failure(sent_at=111.0, now=112.0, quiet_entry=True) == 111.0
+    assert checker.sweep_after_failure(sent_at=112.5, now=113.0, quiet_entry=True) is None
+    assert checker.sweep_after_failure(sent_at=141.0, now=142.0) == 141.0
     assert LivenessChecker(LivenessOptions(sweep_interval=None)).sweep_after_failure(1.0, 2.0) is None
     for bad in (dict(stale_after=0), dict(sweep_interval=-1), dict(checks_per_second=0), dict(check_burst=0),
                 dict(sweep_concurrency=0)):

@@ -53,3 +53,23 @@ def test_shared_and_learnt_addresses_follow_the_host():
         await host.shutdown()
 
     asyncio.run(main())
+
+
+def test_remote_ip_is_the_address_of_the_live_connection():
+    async def main():
+        server = await Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)).start()
+        client = await Host(host_maddrs=()).start()
+        client_side, server_side = HostDHTTransport(client), HostDHTTransport(server)
+        assert client_side.remote_ip(server.peer_id) is None  # not connected: unknown
+        server_addr = server.get_listen_maddrs()[0].with_peer_id(server.peer_id)
+        await client.connect(server_addr)
+        assert client_side.remote_ip(server.peer_id) == "127.0.0.1"  # the address we dialed
+        deadline = asyncio.get_running_loop().time() + 10
+        while server.get_connection(client.peer_id) is None:  # the server registers it after its handshake
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)  # polling with a deadline
+        assert server_side.remote_ip(client.peer_id) == "127.0.0.1"  # the address it dialed us from
+        await client.shutdown()
+        await server.shutdown()
+
+    asyncio.run(main())

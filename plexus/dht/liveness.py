@@ -13,8 +13,11 @@ the swarm is healthy:
   swarm hears from its peers anyway and checks little.
 - Sweeps. A failed request is evidence of churn, and peers tend to go silent together (a frozen
   machine, a cut link, a Sybil operator): after a failure the node pings every entry that has shown
-  no sign of life since the failed request was sent, `sweep_concurrency` at a time, starting at
-  most one sweep every `sweep_interval` seconds.
+  no sign of life since the failed request was sent, `sweep_concurrency` at a time. Sweeps do not
+  overlap, and one starts at most `sweep_interval` seconds after the last, or `stale_after`
+  seconds after it when the failure was a quiet entry's (a hand-out check or a full bucket's
+  least-recently-seen peer that did not answer): that is the surest sign that more entries died,
+  and the one a node that never asks its dead entries anything gets.
 
 A ping that fails evicts its entry the usual way (the node bans the peer and removes it, and a
 replacement moves in) and may itself start the next sweep. This module decides; the node pings.
@@ -35,15 +38,16 @@ MAX_REMEMBERED_CHECKS = 4096  # entries whose last hand-out check is remembered 
 class LivenessOptions:
     """When a node checks that its routing-table entries are alive (see the module docstring)."""
 
-    stale_after: float | None = 10.0
+    stale_after: float | None = 2.0
     """An entry handed out in a find answer is pinged when nothing was heard from it for this many
     seconds (None: no hand-out checks)."""
     checks_per_second: float = 1.0
     """Average rate of hand-out checks (pings per second), so checking costs a healthy swarm little."""
     check_burst: int = 10
     """Hand-out checks that may go out at once before `checks_per_second` applies."""
-    sweep_interval: float | None = 30.0
-    """Least time between two sweeps, which a failed request starts (None: no sweeps)."""
+    sweep_interval: float | None = 10.0
+    """Least time between two sweeps that failed requests start (None: no sweeps); after a quiet
+    entry failed its ping, `stale_after` instead."""
     sweep_concurrency: int = 64
     """Pings of one sweep in flight at once."""
 
@@ -98,10 +102,13 @@ class LivenessChecker:
             due.append((node_id, peer_id))
         return due
 
-    def sweep_after_failure(self, sent_at: float, now: float) -> float | None:
-        """A request sent at `sent_at` failed: the moment since which silent entries should be
-        pinged, or None when a sweep started less than `sweep_interval` ago (or sweeps are off)."""
+    def sweep_after_failure(self, sent_at: float, now: float, quiet_entry: bool = False) -> float | None:
+        """A request sent at `sent_at` failed (`quiet_entry`: a ping of an entry that had been quiet):
+        the moment since which silent entries should be pinged, or None when the last sweep is too
+        recent (or sweeps are off)."""
         interval = self.options.sweep_interval
+        if interval is not None and quiet_entry and self.options.stale_after is not None:
+            interval = min(interval, self.options.stale_after)
         if interval is None or now - self._last_sweep < interval:
             return None
         self._last_sweep = now

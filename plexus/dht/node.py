@@ -146,6 +146,7 @@ class DHTNode(StoreAndGet):
         self._tasks: set[asyncio.Task] = set()
         self._pending_gets: dict[DHTID, tuple[DHTExpiration, asyncio.Future]] = {}
         self._evicting: set[DHTID] = set()
+        self._sweeping = False
         self._refresh_queue = CacheRefreshQueue(max_size=cache_size or 10000)
         self._refresh_wakeup = asyncio.Event()
         self.is_alive = True
@@ -214,9 +215,7 @@ class DHTNode(StoreAndGet):
             self.protocol.peer_failed(peer_id)
             logger.debug(f"{self!r}: {type(request).__name__} to {peer_id} failed ({_describe(error)}); ban {ban:.1f}s")
             if isinstance(error, OSError):  # timed out or unreachable (not a refusal): others may be gone too
-                since = self.protocol.liveness.sweep_after_failure(sent_at_dht, now)
-                if since is not None:
-                    self._spawn(self._sweep(since))
+                self._sweep_after_failure(sent_at_dht, now)
             raise
         self.blacklist.register_success(peer_id)
         if response.node_id is not None and not isinstance(response, ErrorResponse):
@@ -264,24 +263,37 @@ class DHTNode(StoreAndGet):
                 self._spawn(self._send_items(action.peer_id, action.items))
 
     async def _ping_to_evict(self, action: PingToEvict) -> None:
+        sent_at = get_dht_time()
         try:
-            await self._call(action.peer_id, PingRequest(self.protocol.own_id), PingResponse)
+            answer = await self._call(action.peer_id, PingRequest(self.protocol.own_id), PingResponse)
         finally:  # on failure `_request` already evicted it and a replacement moved in
             self._evicting.discard(action.node_id)
+        if answer is None:
+            self._sweep_after_failure(sent_at, get_dht_time(), quiet_entry=True)
+
+    def _sweep_after_failure(self, sent_at: float, now: float, quiet_entry: bool = False) -> None:
+        if not self._sweeping:
+            since = self.protocol.liveness.sweep_after_failure(sent_at, now, quiet_entry)
+            if since is not None:
+                self._sweeping = True
+                self._spawn(self._sweep(since), essential=True)  # one at a time: bounded
 
     async def _sweep(self, since: float) -> None:
         """Ping every entry silent since `since`, a few at a time; a ping that fails evicts its entry."""
-        quiet = [(node_id, peer_id) for node_id, peer_id in self.routing_table.not_seen_since(since)
-                 if node_id not in self._evicting]
-        slots = asyncio.Semaphore(self.protocol.liveness.options.sweep_concurrency)
+        try:
+            quiet = [(node_id, peer_id) for node_id, peer_id in self.routing_table.not_seen_since(since)
+                     if node_id not in self._evicting]
+            slots = asyncio.Semaphore(self.protocol.liveness.options.sweep_concurrency)
 
-        async def check(node_id: DHTID, peer_id: PeerID) -> None:
-            async with slots:
-                await self._ping_to_evict(PingToEvict(node_id, peer_id))
+            async def check(node_id: DHTID, peer_id: PeerID) -> None:
+                async with slots:
+                    await self._ping_to_evict(PingToEvict(node_id, peer_id))
 
-        before = len(self.routing_table)
-        self._evicting.update(node_id for node_id, _ in quiet)
-        await asyncio.gather(*(check(node_id, peer_id) for node_id, peer_id in quiet))
+            before = len(self.routing_table)
+            self._evicting.update(node_id for node_id, _ in quiet)
+            await asyncio.gather(*(check(node_id, peer_id) for node_id, peer_id in quiet))
+        finally:
+            self._sweeping = False
         evicted = sum(node_id not in self.routing_table for node_id, _ in quiet)
         logger.log(logging.INFO if evicted else logging.DEBUG,
                    f"{self!r}: a failed request started a liveness sweep: {evicted} of {len(quiet)} quiet "

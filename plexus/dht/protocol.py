@@ -17,9 +17,11 @@ Records are validated before they are stored; the driver validates found records
 """
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 from ..p2p.identity import PeerID
+from ..utils.logging import RateLimitedLog
 from .messages import (
     FindRequest,
     FindResponse,
@@ -34,9 +36,10 @@ from .messages import (
 )
 from .records import PLAIN_VALUE_SUBKEY, make_record, merge_found
 from .routing import DHTID, RoutingTable
-from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
+from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, describe_sender
 from .validation import RecordValidatorBase
 
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ class DHTProtocol:
         self.node_id, self.routing_table, self.storage, self.cache = node_id, routing_table, storage, cache
         self.validator, self.num_replicas, self.client_mode = validator, num_replicas, client_mode
         self.addresses_of = addresses_of
+        self._refusals = RateLimitedLog(logger)
 
     @property
     def own_id(self) -> DHTID | None:
@@ -109,6 +113,8 @@ class DHTProtocol:
         """Validate and keep one record (in the cache if `in_cache`), booked to `sender` (the peer id
         bytes of whoever sent it; None: ourselves) for the storage limits; False if refused."""
         if not self.is_valid(item.key, item.subkey, item.value, item.expiration_time):
+            self._refusals.warning((sender, "invalid"), f"refused a record from {describe_sender(sender)} that "
+                                                        f"fails validation (its signature, schema or bounds)")
             return False
         target = self.cache if item.in_cache else self.storage
         return target.store(item.key, item.value, item.expiration_time, now, subkey=item.subkey, sender=sender)

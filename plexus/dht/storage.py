@@ -33,6 +33,7 @@ import itertools
 import logging
 from collections import defaultdict
 
+from ..p2p.identity import PeerID
 from ..utils.logging import RateLimitedLog
 from ..utils.timed_storage import TimedStorage, ValueWithExpiration
 from .crypto import OWNER_PATTERN
@@ -312,8 +313,8 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
 
     def _refuse(self, sender: Sender, limit: str, reason: str) -> bool:
         """Log once per sender and `limit` (the limit's name), and refuse."""
-        who = "this node" if sender is None else _describe_sender(sender)
-        self._refusals.warning((sender, limit), f"DHT storage refused a record from {who} ({limit}): {reason}")
+        self._refusals.warning((sender, limit), f"DHT storage refused a record from {describe_sender(sender)} "
+                                                f"({limit}): {reason}")
         return False
 
     def _admit(self, key: DHTID, subkey: Subkey | None, value: BinaryValue, expiration_time: float,
@@ -384,9 +385,10 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         return True
 
 
-def _describe_sender(sender: bytes) -> str:
-    from ..p2p.identity import PeerID  # a leaf import: peer ids are only needed to name senders in logs
-
+def describe_sender(sender: Sender) -> str:
+    """A sender as a log line names it: its peer id (or "this node")."""
+    if sender is None:
+        return "this node"
     try:
         return str(PeerID(sender))
     except ValueError:
@@ -394,4 +396,4 @@ def _describe_sender(sender: bytes) -> str:
 
 
 __all__ = ["BinaryValue", "DHTLocalStorage", "DictionaryDHTValue", "Sender", "StorageLimits", "StoredValue",
-           "Subkey", "ValueWithExpiration", "owner_of"]
+           "Subkey", "ValueWithExpiration", "describe_sender", "owner_of"]

@@ -321,11 +321,13 @@ class ProgressTracker:
 
     @property
     def ready_to_update_epoch(self) -> bool:
-        """True when the swarm reached the target batch (or the deadline for it), or moved on."""
+        """True when the samples the peers reported reach the target batch, or the swarm moved on.
+
+        Unlike hivemind, the ETA alone never makes a peer ready: it extrapolates reports with the
+        peers' speeds, and stepping on a prediction is stepping before the target batch is there.
+        The ETA only tells when to start matchmaking and to re-read the reports."""
         progress = self.global_progress
-        return (progress.epoch > self.local_progress.epoch
-                or progress.samples_accumulated >= self.target_batch_size
-                or get_dht_time() >= progress.eta_next_epoch)
+        return progress.epoch > self.local_progress.epoch or progress.samples_accumulated >= self.target_batch_size
 
     @property
     def estimated_next_update_time(self) -> float:

@@ -145,3 +145,12 @@ def test_limits_release_what_expires_or_is_replaced():
     assert storage.store(KEY, b"a2", 11, now=0, sender=HOSTILE, subkey=b"s1"), "an update is no new record"
     assert storage.store(DHTID.generate("x"), b"c", 30, now=12, sender=HOSTILE), "expired ones are released"
     assert storage.bytes_of(HOSTILE) == storage.total_bytes
+
+
+def test_making_room_never_lets_a_sender_overtake_the_one_it_evicts():
+    storage = DHTLocalStorage(limits=StorageLimits(max_bytes=10_000, max_bytes_per_sender=10_000))
+    assert storage.store(DHTID.generate("a"), b"x" * 5000, 100, now=0, sender=b"a")
+    assert storage.store(DHTID.generate("b"), b"x" * 4000, 100, now=0, sender=b"b")
+    assert not storage.store(DHTID.generate("b2"), b"x" * 1000, 100, now=0, sender=b"b"), \
+        "b would then hold more than a: no eviction (else the two would evict each other in turn)"
+    assert storage.bytes_of(b"a") > 5000 and storage.total_bytes <= 10_000

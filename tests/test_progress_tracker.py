@@ -4,15 +4,18 @@ import pytest
 
 from plexus.dht.crypto import Ed25519SignatureValidator
 from plexus.dht.dht import DHT
+from plexus.dht.routing import DHTID
 from plexus.p2p.identity import PrivateKey
 from plexus.optim.performance_ema import PerformanceEMA
 from plexus.optim.progress_tracker import ProgressTracker
 from plexus.testing import wait_until
+from plexus.utils.serializer import MSGPackSerializer
 from plexus.utils.timing import get_dht_time
 
 pytestmark = pytest.mark.timeout(60)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 FAST = dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.2)
+LASTING = dict(FAST, max_refresh_period=20.0)  # records published once stay fresh through a test
 
 
 @pytest.fixture
@@ -112,22 +115,26 @@ class Forger:
 
 
 def test_signed_records_that_break_a_bound_or_the_schema_are_ignored(dhts):
-    honest = ProgressTracker(dhts[0], "run", 1000, **FAST)
+    honest = ProgressTracker(dhts[0], "run", 1000, **LASTING)
     ProgressTracker(dhts[2], "run", 1000, start=False)  # another honest storing node with the validators
-    forger = Forger(dhts[1], honest.training_progress_key)
+    forger, forged_subkeys = Forger(dhts[1], honest.training_progress_key), []
     try:
         honest.performance_ema.samples_per_second = 1.0
         honest.report_local_progress(0, 10, update_global_samples=False)
         now = get_dht_time()
-        forger.publish()  # in bounds: counted, so what follows is ignored for the bound it breaks
         for forgery in [dict(samples_per_second=1e300), dict(samples_accumulated=10**12),
                         dict(time=now + 1e6), dict(peer_id=dhts[2].peer_id.to_bytes()),
                         dict(expiration=now + 1000), dict(extra_field=1), dict(samples_accumulated=-5),
                         dict(epoch=-1), dict(samples_per_second=-1.0), dict(samples_per_second=float("nan")),
                         dict(time=float("inf")), dict(epoch="0"), dict(epoch=0.0), dict(client_mode=0),
                         dict(peer_id="text")]:
-            forger.publish(**forgery)
+            forged_subkeys.append(forger.publish(**forgery))
+        forger.publish()  # in bounds, stored last: once it is counted, every forgery before it was seen
         wait_until(lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10, message="control")
+        for storing_node in (dhts[0], dhts[2]):  # nodes with the validators refused what they can check
+            held = storing_node.node.storage.get(DHTID.generate(source=honest.training_progress_key), get_dht_time())
+            refused = [MSGPackSerializer.dumps(subkey) for subkey in forged_subkeys[3:5]]  # peer_id, expiration
+            assert held is not None and not any(subkey in held.value for subkey in refused)
         for _ in range(3):
             progress = honest.fetch_global_progress_now(timeout=10)
             assert (progress.num_peers, progress.samples_accumulated, progress.epoch) == (2, 15, 0)
@@ -137,7 +144,7 @@ def test_signed_records_that_break_a_bound_or_the_schema_are_ignored(dhts):
 
 
 def test_one_outlier_in_bounds_cannot_move_the_count_or_the_eta(dhts):
-    honest = ProgressTracker(dhts[0], "run", 1000, **FAST)
+    honest = ProgressTracker(dhts[0], "run", 1000, **LASTING)
     forger = Forger(dhts[1], honest.training_progress_key)
     try:
         honest.performance_ema.samples_per_second = 10.0
@@ -157,19 +164,22 @@ def test_epoch_ahead_of_the_majority_is_believed_only_once_its_state_server_conf
 
     async def stated_priority(host, prefix, peer_id, *, timeout):
         assert prefix == "run_state"
-        return confirmed_peers.get(peer_id)
+        return confirmed_peers.get(peer_id, 7)  # the forger serves a state, but not of the epoch it claims
 
     monkeypatch.setattr("plexus.optim.progress_tracker.stated_priority", stated_priority)
-    options = dict(FAST, state_prefix="run_state", epoch_claim_grace=0.2)
+    options = dict(LASTING, state_prefix="run_state", epoch_claim_grace=0.2)
     first, second = (ProgressTracker(dht, "run", 1000, **options) for dht in dhts[:2])
     forger = Forger(dhts[2], first.training_progress_key)
     try:
         first.report_local_progress(0, 10)
-        forger.publish(epoch=10**9)
-        wait_until(lambda: first._last_probe, 10, message="the forged epoch checked")
+        expires = get_dht_time() + 3.0
+        forger.publish(epoch=10**9, expiration=expires)
+        wait_until(lambda: first._last_probe and not first._probes, 10, message="the forged epoch checked")
         for _ in range(3):
             assert first.fetch_global_progress_now(timeout=10).epoch == 0
             assert first.global_progress.num_peers == 2, "an unconfirmed claim counts for nothing"
+        # with the forgery gone, a peer alone ahead has no majority: only its state server can vouch
+        wait_until(lambda: get_dht_time() > expires, 10, message="the forgery expired")
         confirmed_peers[dhts[1].peer_id] = 3  # a peer that stepped alone and serves that state
         second.update_epoch(3)
         second.report_local_progress(3, 5)
@@ -195,3 +205,19 @@ def test_a_plain_value_cannot_erase_the_signed_progress(dhts):
     finally:
         for tracker in trackers:
             tracker.shutdown()
+
+
+def test_a_passed_eta_alone_does_not_make_a_peer_ready(dhts):
+    tracker = ProgressTracker(dhts[0], "run", 1000, **FAST)
+    try:
+        tracker.performance_ema.samples_per_second = 10_000.0  # predicts the target within 0.1 s
+        tracker.report_local_progress(0, 10, update_global_samples=False)
+        progress = tracker.fetch_global_progress_now(timeout=10)
+        wait_until(lambda: get_dht_time() > progress.eta_next_epoch, 5, message="the ETA passed")
+        assert not tracker.ready_to_update_epoch, "10 of 1000 samples: not ready, whatever the prediction"
+        tracker.report_local_progress(0, 1000, update_global_samples=False)
+        wait_until(lambda: tracker.fetch_global_progress_now(timeout=10).samples_accumulated == 1000, 5,
+                   message="the target reported")
+        assert tracker.ready_to_update_epoch
+    finally:
+        tracker.shutdown()

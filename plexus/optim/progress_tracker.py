@@ -23,9 +23,10 @@ A signature only says who wrote a record, not that it is true, so readers trust 
   a swarm a newcomer joins, or a forger) is believed only after its claim stood for
   `epoch_claim_grace` seconds and its state server confirmed it: asked for a manifest (the
   state-sharing protocol under `state_prefix`), it states a priority (its epoch) of at least the
-  claim. Without `state_prefix` such claims are never believed. A claim that fails the check is
-  asked about again at most every `max_refresh_period`; until then the peer is not counted at
-  all, so it neither moves the epoch nor holds up rounds.
+  claim. Without `state_prefix` such claims are never believed. Until it is checked, such a peer
+  still counts as a peer (we may be in the round it just stepped in), but not its samples; once
+  its claim failed the check it counts for nothing, so it neither moves the epoch nor holds up
+  rounds, and it is asked about again at most every `max_refresh_period`.
 
 Both loops run on the DHT's event loop; the training thread only calls cheap, thread-safe methods.
 """
@@ -193,6 +194,7 @@ class ProgressTracker:
         self._claims: dict[bytes, tuple[int, float]] = {}  # peer -> (epoch it claims ahead of us, since when)
         self._confirmed: dict[bytes, int] = {}  # peer -> the epoch its state server confirmed
         self._last_probe: dict[bytes, float] = {}  # peer -> when we last asked its state server
+        self._refuted: dict[bytes, int] = {}  # peer -> the last epoch it claimed and failed to confirm
         self._probes: dict[bytes, asyncio.Task] = {}
         self._lock = threading.Lock()
         self.local_progress = self._make_local_progress(0, 0)
@@ -387,7 +389,7 @@ class ProgressTracker:
         local = self.local_progress
         workers = [r for r in reports if not r.client_mode and r.peer_id != local.peer_id]
         epoch = self._believed_epoch(workers, local.epoch, now)
-        counted = [r for r in reports if r.epoch <= epoch]  # a claim we do not believe counts for nothing
+        counted = [r for r in reports if r.epoch <= epoch or self._awaiting_check(r.peer_id, now)]
         current = [r for r in counted if r.epoch == epoch]
         sample_cap = self.bounds.outlier_factor * _lower_median([r.samples_accumulated for r in current])
         speed_cap = self.bounds.outlier_factor * _lower_median([r.samples_per_second for r in counted])
@@ -426,6 +428,13 @@ class ProgressTracker:
         self._claims = standing
         return believed
 
+    def _awaiting_check(self, peer: bytes, now: float) -> bool:
+        """A peer ahead that may just have stepped still counts as a peer (we may be in its round)
+        until its claim is checked; a claim that failed the check counts for nothing."""
+        claim = self._claims.get(peer)
+        return (claim is not None and self._refuted.get(peer) != claim[0]
+                and (now - claim[1] < self.epoch_claim_grace or peer in self._probes))
+
     def _maybe_probe(self, peer: bytes, epoch: int, since: float, now: float) -> None:
         if (self.state_prefix is None or now - since < self.epoch_claim_grace or peer in self._probes
                 or now - self._last_probe.get(peer, float("-inf")) < self.max_refresh_period):
@@ -438,10 +447,11 @@ class ProgressTracker:
         try:
             served = await stated_priority(self.dht.host, self.state_prefix, PeerID(peer),
                                            timeout=self.max_refresh_period)
-            if served is not None and served >= epoch:
+            if served is not None:  # claims up to what it serves are believed from now on
                 self._confirmed[peer] = int(served)
                 self._notify(self._wake_fetcher)
-            else:
+            if served is None or served < epoch:
+                self._refuted[peer] = epoch
                 self._rejections.warning((peer, "epoch"), f"not believing that {PeerID(peer)} is at epoch "
                                                           f"{epoch}: its state server offers {served}")
         finally:

@@ -405,11 +405,12 @@ def test_hostile_storer_is_bounded_and_cannot_hide_honest_entries():
         network = MemoryNetwork()
         limits = StorageLimits(max_records_per_sender=300, max_entries_per_key=50, max_subkeys_per_sender=20)
         victim = await DHTNode.create(rpc=network.create_transport(), storage_limits=limits)
-        honest, hostile = [await DHTNode.create(rpc=network.create_transport(), initial_peers=[victim.peer_id],
-                                                client_mode=True) for _ in range(2)]
+        honest, hostile = [await DHTNode.create(rpc=network.create_transport(), client_mode=True,
+                                                initial_peers=[victim.peer_id]) for _ in range(2)]
         now = get_dht_time()
         key = DHTID.generate("stuffed")
-        honest_item = StoreItem(key, MSGPackSerializer.dumps(b"honest-entry"), MSGPackSerializer.dumps("honest"), now + 60)
+        entry, value = MSGPackSerializer.dumps(b"honest-entry"), MSGPackSerializer.dumps("honest")
+        honest_item = StoreItem(key, entry, value, now + 60)
         assert await honest._send_items(victim.peer_id, [honest_item]) == [True]
         items = [StoreItem(DHTID.generate(f"flood{i}"), None, MSGPackSerializer.dumps(i), now + 60)
                  for i in range(1000)]

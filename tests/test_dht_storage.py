@@ -72,7 +72,8 @@ OTHER_OWNER = Ed25519SignatureValidator().local_public_key
 def test_one_sender_storing_100k_keys_stays_bounded():
     limits = StorageLimits()
     storage = DHTLocalStorage(limits=limits)
-    accepted = sum(storage.store(DHTID.generate(i), b"x" * 16, 1000, now=0, sender=HOSTILE) for i in range(100_000))
+    accepted = sum(storage.store(DHTID.generate(i), b"x" * 16, 1000, now=0, sender=HOSTILE)
+                   for i in range(100_000))
     assert accepted == len(storage) == limits.max_records_per_sender
     assert storage.bytes_of(HOSTILE) == storage.total_bytes <= limits.max_bytes_per_sender
     assert storage.store(KEY, b"honest", 1000, now=0, sender=HONEST), "other senders are not affected"
@@ -92,7 +93,8 @@ def test_total_memory_bound_evicts_the_heaviest_sender_first():
     assert storage.store(KEY, b"honest" * 100, 1000, now=0, sender=HONEST)
     for sender in range(5):  # several hostile senders together try to fill the node
         for i in range(100):
-            storage.store(DHTID.generate(f"{sender}-{i}"), b"x" * 1000, 1000, now=0, sender=b"sybil%d" % sender)
+            key = DHTID.generate(f"{sender}-{i}")
+            storage.store(key, b"x" * 1000, 1000, now=0, sender=b"sybil%d" % sender)
         assert storage.total_bytes <= limits.max_bytes
     assert storage.get(KEY, now=1).value == b"honest" * 100, "the lightest sender keeps its record"
     assert storage.store(DHTID.generate("new"), b"honest", 1000, now=1, sender=HONEST), "and may still store"

@@ -30,7 +30,8 @@ def forge(dht: DHT, key: str, stop: threading.Event) -> None:
         now = get_dht_time()
         for private_key, forgery in signers:
             record = dict(peer_id=private_key.peer_id.to_bytes(), epoch=0, samples_accumulated=TARGET - 1,
-                          samples_per_second=100.0, time=now + forgery.get("time_ahead", 0.0), client_mode=False)
+                          samples_per_second=100.0, time=now + forgery.get("time_ahead", 0.0),
+                          client_mode=False)
             record.update({name: value for name, value in forgery.items() if name != "time_ahead"})
             subkey = Ed25519SignatureValidator(private_key).local_public_key
             dht.store(key, record, now + 30, subkey=subkey)

@@ -43,7 +43,7 @@ def test_peers_count_each_other_and_reach_the_target(dhts):
         wait_until(lambda: trackers[2].global_progress.num_peers == 2, 10, message="the lone claim set aside")
         assert trackers[2].global_progress.epoch == 0
         trackers[1].update_epoch(1)
-        wait_until(lambda: trackers[2].global_progress.epoch == 1, 10, message="the majority's epoch seen by others")
+        wait_until(lambda: trackers[2].global_progress.epoch == 1, 10, message="the majority's epoch seen")
         assert trackers[2].ready_to_update_epoch, "a peer behind the global epoch must update"
     finally:
         for tracker in trackers:
@@ -132,8 +132,9 @@ def test_signed_records_that_break_a_bound_or_the_schema_are_ignored(dhts):
         forger.publish()  # in bounds, stored last: once it is counted, every forgery before it was seen
         wait_until(lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10, message="control")
         for storing_node in (dhts[0], dhts[2]):  # nodes with the validators refused what they can check
-            held = storing_node.node.storage.get(DHTID.generate(source=honest.training_progress_key), get_dht_time())
-            refused = [MSGPackSerializer.dumps(subkey) for subkey in forged_subkeys[3:5]]  # peer_id, expiration
+            key_id = DHTID.generate(source=honest.training_progress_key)
+            held = storing_node.node.storage.get(key_id, get_dht_time())
+            refused = [MSGPackSerializer.dumps(subkey) for subkey in forged_subkeys[3:5]]  # id, expiration
             assert held is not None and not any(subkey in held.value for subkey in refused)
         for _ in range(3):
             progress = honest.fetch_global_progress_now(timeout=10)
@@ -150,7 +151,8 @@ def test_one_outlier_in_bounds_cannot_move_the_count_or_the_eta(dhts):
         honest.performance_ema.samples_per_second = 10.0
         honest.report_local_progress(0, 10, update_global_samples=False)
         forger.publish(samples_accumulated=3000, samples_per_second=900_000.0)  # within the bounds
-        wait_until(lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10, message="outlier seen")
+        wait_until(lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10,
+                   message="outlier seen")
         progress = honest.global_progress
         assert progress.samples_accumulated <= 10 + 4 * 10, "counts at most outlier_factor x the lower median"
         assert not honest.ready_to_update_epoch
@@ -195,8 +197,8 @@ def test_a_plain_value_cannot_erase_the_signed_progress(dhts):
     try:
         for tracker in trackers:
             tracker.report_local_progress(0, 10)
-        wait_until(lambda: all(t.global_progress.num_peers == 2 for t in trackers), 10, message="2 peers seen")
-        dhts[2].store(trackers[0].training_progress_key, {}, get_dht_time() + 3600)  # unsigned, far expiration
+        wait_until(lambda: all(t.global_progress.num_peers == 2 for t in trackers), 10, message="peers seen")
+        dhts[2].store(trackers[0].training_progress_key, {}, get_dht_time() + 3600)  # unsigned, far ahead
         for tracker in trackers:
             tracker.report_local_progress(0, 20)
         wait_until(lambda: all(t.global_progress.samples_accumulated == 40 for t in trackers), 10,

@@ -440,7 +440,8 @@ async def stated_priority(host: Host, prefix: str, peer_id: PeerID, *, timeout: 
     """The priority (e.g. the epoch) of the state `peer_id` would serve under `prefix` now, as its
     manifest states it; None when it does not share state there, breaks the protocol or does not
     answer within `timeout`. This is how a reader checks a peer's claim to be ahead of the swarm."""
-    download = _Download(host, prefix, asyncio.get_running_loop().time() + timeout, timeout, 1, 1, random.Random())
+    deadline = asyncio.get_running_loop().time() + timeout
+    download = _Download(host, prefix, deadline, timeout, 1, 1, random.Random())
     try:
         async with asyncio.timeout(timeout):
             manifest, _ = await download.fetch_manifest(Donor(peer_id, 0.0))

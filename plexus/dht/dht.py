@@ -85,6 +85,8 @@ class DHT:
             ipfs_bootstrap_peers: where to join that DHT (default: the public IPFS bootstrap peers).
             noise_ciphers: Noise cipher functions to offer, most preferred first (`HostOptions`); put
                 "ChaChaPoly" first on a CPU without AES instructions.
+            storage_limits (passed on to `DHTNode.create`): a `plexus.dht.storage.StorageLimits`, the
+                bounds of what this peer stores for others (per sender, per owner, per key, in all).
         """
         if force_reachability not in (None, "public", "private"):
             raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")

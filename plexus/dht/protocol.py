@@ -113,11 +113,11 @@ class DHTProtocol:
         """Validate and keep one record (in the cache if `in_cache`), booked to `sender` (the peer id
         bytes of whoever sent it; None: ourselves) for the storage limits; False if refused."""
         if not self.is_valid(item.key, item.subkey, item.value, item.expiration_time):
-            self._refusals.warning((sender, "invalid"), f"refused a record from {describe_sender(sender)} that "
-                                                        f"fails validation (its signature, schema or bounds)")
+            self._refusals.warning((sender, "invalid"), f"refused a record from {describe_sender(sender)}: "
+                                                        f"it fails validation (signature, schema or bounds)")
             return False
         target = self.cache if item.in_cache else self.storage
-        return target.store(item.key, item.value, item.expiration_time, now, subkey=item.subkey, sender=sender)
+        return target.store(item.key, item.value, item.expiration_time, now, item.subkey, sender)
 
     def lookup_local(self, key: DHTID, now: float) -> ValueWithExpiration | None:
         """What storage and cache hold for `key`, merged by the usual record rules."""

@@ -61,7 +61,8 @@ class StorageLimits:
     max_entries_per_key: int = 4096
     """Entries of one dictionary value; a full one drops an entry of its largest account."""
     max_subkeys_per_owner: int = 1
-    """Entries one owner (`[owner:...]` in the sub-key) may have in one key; a newer one replaces its older."""
+    """Entries one owner (`[owner:...]` in the sub-key) may have in one key; a newer one replaces
+    its older one."""
     max_subkeys_per_sender: int = 128
     """Unowned entries one sending peer may add to one key (relayed copies of others' entries count too)."""
     max_expiration: float = 86400.0
@@ -74,7 +75,8 @@ class StorageLimits:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             if not getattr(self, field.name) > 0:
-                raise ValueError(f"StorageLimits.{field.name} must be positive, got {getattr(self, field.name)}")
+                value = getattr(self, field.name)
+                raise ValueError(f"StorageLimits.{field.name} must be positive, not {value}")
 
 
 def owner_of(subkey: Subkey | None) -> bytes | None:
@@ -217,15 +219,15 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         return 0 if self._ledger is None else self._ledger.bytes.get(sender, 0)
 
     def store(
-        self, key: DHTID, value: BinaryValue, expiration_time: float, now: float, subkey: Subkey | None = None,
-        sender: Sender = None,
+        self, key: DHTID, value: BinaryValue, expiration_time: float, now: float,
+        subkey: Subkey | None = None, sender: Sender = None,
     ) -> bool:
         if subkey is not None:
             return self.store_subkey(key, subkey, value, expiration_time, now, sender)
         current = self.get(key, now)
         if current is not None and isinstance(current.value, DictionaryDHTValue) \
                 and current.value.has_owned_entries(now):
-            return self._refuse(sender, "signed entries", "a plain value cannot replace signed dictionary entries")
+            return self._refuse(sender, "signed entries", "a plain value cannot replace signed entries")
         if current is not None and current.expiration_time >= expiration_time or expiration_time <= now:
             return False
         if not self._admit(key, None, value, expiration_time, now, sender):
@@ -259,7 +261,8 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
             current = self.data.get(key)
         if current is not None and not isinstance(current.value, DictionaryDHTValue):
             current = None
-        if current is not None and not self._make_room_in_key(current.value, subkey, expiration_time, now, sender):
+        if current is not None and not self._make_room_in_key(current.value, subkey, expiration_time, now,
+                                                              sender):
             return False
         if current is None:
             dictionary = self._new_dictionary(key)
@@ -282,7 +285,8 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         return [self.store_subkey(key, subkey, value, expiration, now, sender)
                 for subkey, value, expiration in entries]
 
-    def reply_items(self, dictionary: DictionaryDHTValue, now: float) -> list[tuple[Subkey, ValueWithExpiration]]:
+    def reply_items(self, dictionary: DictionaryDHTValue,
+                    now: float) -> list[tuple[Subkey, ValueWithExpiration]]:
         """The entries of `dictionary` a reader gets: all of them, or a fair share within the limits."""
         if self.limits is None:
             return list(dictionary.items(now))
@@ -313,8 +317,9 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
 
     def _refuse(self, sender: Sender, limit: str, reason: str) -> bool:
         """Log once per sender and `limit` (the limit's name), and refuse."""
-        self._refusals.warning((sender, limit), f"DHT storage refused a record from {describe_sender(sender)} "
-                                                f"({limit}): {reason}")
+        who = describe_sender(sender)
+        self._refusals.warning((sender, limit), f"DHT storage refused a record from {who} ({limit}): "
+                                                f"{reason}")
         return False
 
     def _admit(self, key: DHTID, subkey: Subkey | None, value: BinaryValue, expiration_time: float,
@@ -340,7 +345,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
             heaviest = ledger.heaviest()
             if heaviest == sender or ledger.bytes[heaviest] <= ledger.bytes.get(sender, 0) + size:
                 return self._refuse(sender, "max_bytes",
-                                    f"the node holds {limits.max_bytes} bytes, and this sender holds the most")
+                                    f"the node holds {limits.max_bytes} bytes, and this sender the most")
             self._evict(*next(iter(ledger.records[heaviest])))
         return True
 
@@ -379,8 +384,9 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
             largest = max(groups, key=len)
             own = max(len(mine), len(dictionary.by_sender.get(sender, ())))
             if len(largest) <= own + 1:
-                return self._refuse(sender, "max_entries_per_key", f"the key holds {limits.max_entries_per_key} "
-                                    f"entries, and this sender or account holds the most")
+                return self._refuse(sender, "max_entries_per_key",
+                                    f"the key holds {limits.max_entries_per_key} entries, and this sender "
+                                    f"or account holds the most")
             dictionary.remove(dictionary.soonest(largest))
         return True
 

@@ -101,9 +101,10 @@ def signer_of(subkey) -> PeerID | None:
     if match is None:
         return None
     try:
-        return PeerID.from_public_key(PublicKey.from_protobuf(base64.b64decode(match.group(1), validate=True)))
+        public_key = PublicKey.from_protobuf(base64.b64decode(match.group(1), validate=True))
     except (IdentityError, ValueError):
         return None
+    return PeerID.from_public_key(public_key)
 
 
 def broken_bound(report: "LocalTrainingProgress", signer: PeerID | None, expiration_time: float,
@@ -143,7 +144,8 @@ class _ProgressRecordValidator(RecordValidatorBase):
                                                    self.bounds) is None
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        return isinstance(other, _ProgressRecordValidator) and (other.key_id, other.bounds) == (self.key_id, self.bounds)
+        return isinstance(other, _ProgressRecordValidator) and \
+            (other.key_id, other.bounds) == (self.key_id, self.bounds)
 
 
 @dataclass(frozen=True)
@@ -329,7 +331,8 @@ class ProgressTracker:
         peers' speeds, and stepping on a prediction is stepping before the target batch is there.
         The ETA only tells when to start matchmaking and to re-read the reports."""
         progress = self.global_progress
-        return progress.epoch > self.local_progress.epoch or progress.samples_accumulated >= self.target_batch_size
+        return (progress.epoch > self.local_progress.epoch
+                or progress.samples_accumulated >= self.target_batch_size)
 
     @property
     def estimated_next_update_time(self) -> float:
@@ -373,16 +376,20 @@ class ProgressTracker:
                    f"(refresh in {max(0.0, progress.next_fetch_time - now):.2f} sec)")
         return progress
 
-    def _within_bounds(self, report: LocalTrainingProgress, subkey, expiration_time: float, now: float) -> bool:
+    def _within_bounds(self, report: LocalTrainingProgress, subkey, expiration_time: float,
+                       now: float) -> bool:
         max_speed = self.bounds.max_epochs_per_second * self.target_batch_size
         broken = broken_bound(report, signer_of(subkey), expiration_time, self.bounds, now)
         if broken is None and report.samples_accumulated > self._max_samples:
-            broken = "max_samples_factor", f"it claims {report.samples_accumulated} samples (at most {self._max_samples})"
+            broken = "max_samples_factor", (f"it claims {report.samples_accumulated} samples "
+                                            f"(at most {self._max_samples})")
         if broken is None and report.samples_per_second > max_speed:
-            broken = "max_epochs_per_second", f"it claims {report.samples_per_second:.3g} samples/s (at most {max_speed})"
+            broken = "max_epochs_per_second", (f"it claims {report.samples_per_second:.3g} samples/s "
+                                               f"(at most {max_speed})")
         if broken is not None:
             peer = signer_of(subkey) or report.peer_id[:64]
-            self._rejections.warning((peer, broken[0]), f"ignoring the progress record of {peer}: {broken[1]}")
+            self._rejections.warning((peer, broken[0]), f"ignoring the progress record of {peer}: "
+                                                        f"{broken[1]}")
         return broken is None
 
     def _estimate(self, reports: list[LocalTrainingProgress], now: float) -> GlobalTrainingProgress:
@@ -399,8 +406,8 @@ class ProgressTracker:
 
         speeds = {r.peer_id: clip(r, r.samples_per_second, speed_cap) for r in counted}
         samples = sum(int(clip(r, r.samples_accumulated, sample_cap)) for r in current)
-        extrapolated = sum(clip(r, r.samples_accumulated + max(0.0, now - r.time) * speeds[r.peer_id], sample_cap)
-                           for r in current)
+        extrapolated = sum(clip(r, r.samples_accumulated + max(0.0, now - r.time) * speeds[r.peer_id],
+                                sample_cap) for r in current)
         speed = self._swarm_speed = sum(speeds.values())  # laggards soon count again
         eta = now + self._eta(extrapolated, speed)
         num_peers = len(counted)

@@ -174,7 +174,7 @@ def test_epoch_ahead_of_the_majority_is_believed_only_once_its_state_server_conf
     forger = Forger(dhts[2], first.training_progress_key)
     try:
         first.report_local_progress(0, 10)
-        expires = get_dht_time() + 3.0
+        expires = get_dht_time() + 5.0
         forger.publish(epoch=10**9, expiration=expires)
         wait_until(lambda: first._last_probe and not first._probes, 10, message="the forged epoch checked")
         for _ in range(3):

@@ -52,8 +52,8 @@ class StorageLimits:
     """Bounds of what one DHT node stores for others (`DHTNode.create(storage_limits=...)`)."""
 
     max_bytes: int = 256 << 20
-    """All records held (sub-keys, values and RECORD_OVERHEAD each); past it the heaviest sender's
-    oldest records go first."""
+    """All records held (sub-keys, values and RECORD_OVERHEAD each) in the storage, and again in the
+    cache; past it the heaviest sender's oldest records go first."""
     max_bytes_per_sender: int = 16 << 20
     """Bytes one sending peer may hold here; stores past it are refused."""
     max_records_per_sender: int = 16384

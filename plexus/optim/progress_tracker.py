@@ -56,6 +56,7 @@ logger = get_logger(__name__)
 
 STALE_AFTER_PERIODS = 3
 FIRST_REPORT_TIMEOUT = 10.0
+MAX_CONCURRENT_PROBES = 4  # state servers asked at once about claims ahead of the majority
 
 
 class LocalTrainingProgress(pydantic.BaseModel):
@@ -433,6 +434,10 @@ class ProgressTracker:
                 standing[peer] = previous if previous is not None and previous[0] == epoch else (epoch, now)
                 self._maybe_probe(peer, *standing[peer], now)
         self._claims = standing
+        present = {r.peer_id for r in workers}  # forget peers that left (or a Sybil's spent identities)
+        for verdicts in (self._confirmed, self._last_probe, self._refuted):
+            for peer in [peer for peer in verdicts if peer not in present]:
+                del verdicts[peer]
         return believed
 
     def _awaiting_check(self, peer: bytes, now: float) -> bool:
@@ -444,6 +449,7 @@ class ProgressTracker:
 
     def _maybe_probe(self, peer: bytes, epoch: int, since: float, now: float) -> None:
         if (self.state_prefix is None or now - since < self.epoch_claim_grace or peer in self._probes
+                or len(self._probes) >= MAX_CONCURRENT_PROBES
                 or now - self._last_probe.get(peer, float("-inf")) < self.max_refresh_period):
             return
         self._last_probe[peer] = now

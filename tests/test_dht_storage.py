@@ -1,5 +1,7 @@
 """Record semantics: later expiration wins, expired records vanish, dictionary values per subkey."""
 
+import tracemalloc
+
 import pytest
 
 from plexus.dht.routing import DHTID
@@ -71,11 +73,17 @@ OTHER_OWNER = Ed25519SignatureValidator().local_public_key
 
 def test_one_sender_storing_100k_keys_stays_bounded():
     limits = StorageLimits()
-    storage = DHTLocalStorage(limits=limits)
-    accepted = sum(storage.store(DHTID.generate(i), b"x" * 16, 1000, now=0, sender=HOSTILE)
-                   for i in range(100_000))
+    keys = [DHTID.generate(i) for i in range(100_000)]
+    tracemalloc.start()
+    try:
+        storage = DHTLocalStorage(limits=limits)
+        accepted = sum(storage.store(key, b"x" * 16, 1000, now=0, sender=HOSTILE) for key in keys)
+        held_memory = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
     assert accepted == len(storage) == limits.max_records_per_sender
     assert storage.bytes_of(HOSTILE) == storage.total_bytes <= limits.max_bytes_per_sender
+    assert held_memory <= storage.total_bytes, "what is booked covers what the records really take"
     assert storage.store(KEY, b"honest", 1000, now=0, sender=HONEST), "other senders are not affected"
 
 
@@ -150,9 +158,17 @@ def test_limits_release_what_expires_or_is_replaced():
 
 
 def test_making_room_never_lets_a_sender_overtake_the_one_it_evicts():
-    storage = DHTLocalStorage(limits=StorageLimits(max_bytes=10_000, max_bytes_per_sender=10_000))
+    storage = DHTLocalStorage(limits=StorageLimits(max_bytes=12_000, max_bytes_per_sender=12_000))
     assert storage.store(DHTID.generate("a"), b"x" * 5000, 100, now=0, sender=b"a")
     assert storage.store(DHTID.generate("b"), b"x" * 4000, 100, now=0, sender=b"b")
-    assert not storage.store(DHTID.generate("b2"), b"x" * 1000, 100, now=0, sender=b"b"), \
+    assert not storage.store(DHTID.generate("b2"), b"x" * 2000, 100, now=0, sender=b"b"), \
         "b would then hold more than a: no eviction (else the two would evict each other in turn)"
-    assert storage.bytes_of(b"a") > 5000 and storage.total_bytes <= 10_000
+    assert storage.bytes_of(b"a") > 5000 and storage.total_bytes <= 12_000
+
+
+def test_refusals_are_logged_once_per_sender_and_limit(caplog):
+    storage = DHTLocalStorage(limits=StorageLimits(max_records_per_sender=1))
+    with caplog.at_level("WARNING", logger="plexus.dht.storage"):
+        for i in range(100):
+            storage.store(DHTID.generate(i), b"x", 10, now=0, sender=HOSTILE)
+    assert [record.getMessage().count("max_records_per_sender") for record in caplog.records] == [1]

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 BinaryValue = bytes
 Subkey = bytes  # msgpack of the user's subkey
 Sender = bytes | None  # the peer id bytes of whoever stored a record here; None: this node itself
-RECORD_OVERHEAD = 128  # bytes booked per record on top of its sub-key and value (key, expiration, indexes)
+RECORD_OVERHEAD = 512  # bytes booked per record besides sub-key and value: its Python objects and bookkeeping
 
 
 @dataclasses.dataclass(frozen=True)

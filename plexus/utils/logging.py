@@ -30,24 +30,35 @@ def get_logger(name: str) -> logging.Logger:
 
 
 class RateLimitedLog:
-    """Log each distinct event once per `interval` seconds (e.g. a peer's rejected record), so a
-    flooding peer cannot flood the log too. Remembers at most `max_events` recent events."""
+    """Log each distinct event once per `interval` seconds (e.g. a peer's rejected record), and at
+    most `max_lines` lines an interval in all, so that flooding peers (or many Sybil identities)
+    cannot flood the log too. Remembers at most `max_events` recent events."""
 
     def __init__(self, logger: logging.Logger, interval: float = 60.0, max_events: int = 1024,
-                 clock=time.monotonic):
-        self.logger, self.interval, self.max_events, self.clock = logger, interval, max_events, clock
+                 max_lines: int = 100, clock=time.monotonic):
+        self.logger, self.interval, self.max_events, self.max_lines = logger, interval, max_events, max_lines
+        self.clock = clock
         self._last: OrderedDict = OrderedDict()
+        self._window_start, self._lines = float("-inf"), 0
 
     def log(self, level: int, event, message: str) -> bool:
-        """Log `message` unless `event` was logged less than `interval` ago; True if logged."""
+        """Log `message` unless `event` was logged less than `interval` ago, or this interval's
+        lines are spent; True if logged."""
         now = self.clock()
         last = self._last.get(event)
         if last is not None and now - last < self.interval:
             return False
+        if now - self._window_start >= self.interval:
+            self._window_start, self._lines = now, 0
+        if self._lines >= self.max_lines:
+            return False
+        self._lines += 1
         self._last[event] = now
         self._last.move_to_end(event)
         while len(self._last) > self.max_events:
             self._last.popitem(last=False)
+        if self._lines == self.max_lines:
+            message += f" (more such lines in the next {self.interval:.0f} s are not shown)"
         self.logger.log(level, message)
         return True
 

@@ -40,9 +40,10 @@ class HostOptions:
     The global and per-peer bounds still do."""
     max_streams_per_connection: int = 512
     """Concurrent yamux streams per connection."""
-    max_inbound_streams_per_peer: int = 256
+    max_inbound_streams_per_peer: int = 512
     """Inbound streams one peer may keep open at once over all its connections and protocols (each
-    costs us a task and buffers); past this new ones are reset."""
+    costs us a task and a few KB); past this new ones are reset. One connection's worth: a DHT node
+    sends up to 256 requests at once."""
     ping_rate: float = 10.0
     """Pings per second one peer may send on average (`/ipfs/ping/1.0.0`); faster pingers are reset."""
     ping_burst: int = 20

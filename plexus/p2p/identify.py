@@ -86,6 +86,7 @@ class IdentifyService:
         """Ask the peer of a new connection who it is (the host calls this once per connection)."""
         peer = connection.remote_peer
         event = self.identified.setdefault(peer, asyncio.Event())
+        stream = None
         try:
             stream = connection.open_stream()
             dialer = MultistreamDialer([core.IDENTIFY_PROTOCOL])
@@ -98,6 +99,8 @@ class IdentifyService:
                 self.apply(peer, core.decode_identify(data), connection)
         except (TimeoutError, ProtocolError, StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
             logger.debug(f"identify with {peer} failed: {describe(error)}")
+            if stream is not None:
+                stream.reset()  # an unanswered stream of ours would keep the connection alive (keepalive)
         finally:
             event.set()
 

@@ -39,6 +39,8 @@ class PingService:
             except asyncio.IncompleteReadError:
                 break
             except TimeoutError:
+                if stream.is_reset:  # the host's first-bytes deadline came first, and said so
+                    return
                 self.host.refused(("ping timeout", peer), f"{peer} sent no ping for "
                                   f"{self.host.options.request_timeout} s on an open ping stream; reset it")
                 stream.reset()

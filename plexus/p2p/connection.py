@@ -371,10 +371,6 @@ class Connection(asyncio.BufferedProtocol):
 
     # --- used by streams and the host -----------------------------------------------------------
 
-    async def wait_made(self) -> None:
-        """Return once the socket (or other transport) is attached, so `remote_addr` is known."""
-        await self._made.wait()
-
     def has_outbound_streams(self) -> bool:
         """Whether a stream we opened is still open: we wait on the peer (yamux: the client opens odd ids)."""
         ours = 1 if self.initiator else 0

@@ -9,7 +9,7 @@ task; a handler that raises resets that stream and is logged, nothing more. Iden
 
 Bounds (every one a `HostOptions` field; plexus/p2p/limits.py keeps the counts). Inbound
 connections are counted from the accepted socket on, in total, while handshaking, per IP and per
-subnet; connections per peer once the handshake names it. Inbound streams are counted per peer and,
+subnet, and rate-limited per IP; connections per peer once the handshake names it. Inbound streams are counted per peer and,
 for protocols registered with `max_per_peer`, per peer and protocol. A new inbound stream must pick
 its protocol within `negotiate_timeout` and send its first bytes within `request_timeout` after
 that, or it is reset. A connection on which nothing arrived for `idle_timeout` is closed whatever
@@ -83,7 +83,7 @@ class Host:
         self._inbound = InboundConnections(
             max_total=options.max_connections, max_pending=options.max_pending_connections,
             per_ip=options.max_connections_per_ip, per_subnet=options.max_connections_per_subnet,
-            exempt_networks=options.limit_exempt_networks)
+            rate_per_ip=options.max_connection_rate_per_ip, exempt_networks=options.limit_exempt_networks)
         self._tickets: dict[Connection, InboundTicket] = {}
         self._inbound_streams = Counter()  # by peer, and by (peer, protocol)
         self._refusals = RateLimitedLog(logger)
@@ -205,24 +205,27 @@ class Host:
 
     # --- connections --------------------------------------------------------------------------------
 
-    def _accept(self) -> Connection:
+    def _accept(self) -> "_Gate":
+        return _Gate(self)
+
+    def _admit(self, transport: asyncio.Transport) -> None:
+        """An accepted socket: refuse it at once if its source is past a bound, else start its upgrade."""
+        peername = transport.get_extra_info("peername")
+        ip = peername[0] if peername else None
+        ticket, refusal = self._inbound.admit(ip, asyncio.get_running_loop().time()) if self._running else \
+            (None, "the host is shutting down")
+        if ticket is None:
+            self.refused(("inbound connection", ip), f"refused an inbound connection from {ip}: {refusal}")
+            transport.abort()
+            return
         connection = self.make_connection(initiator=False)
-        if not self._running:
-            connection.abort("the host is shutting down")
-            return connection
+        self._tickets[connection] = ticket  # given back when the connection closes (_on_close)
+        transport.set_protocol(connection)
+        connection.connection_made(transport)
         self._spawn(self._upgrade_inbound(connection))
-        return connection
 
     async def _upgrade_inbound(self, connection: Connection) -> None:
-        await connection.wait_made()
-        ip = _ip_of(connection.remote_addr)
-        ticket, refusal = self._inbound.admit(ip)
-        if ticket is None:
-            self.refused(("inbound connection", ip), f"refused an inbound connection from {connection.remote_addr}: "
-                                                      f"{refusal}")
-            connection.abort(f"refused: {refusal}")
-            return
-        self._tickets[connection] = ticket  # given back when the connection closes (_on_close)
+        ticket = self._tickets[connection]
         try:
             async with asyncio.timeout(self.options.dial_timeout):
                 await connection.upgrade()
@@ -542,16 +545,24 @@ class Host:
         return f"<Host {self.peer_id} listening={[str(a) for a in self._listen_addrs]}>"
 
 
+class _Gate(asyncio.Protocol):
+    """The first protocol of an accepted socket. It asks the host to admit the socket before any
+    connection state exists (a refusal costs an accept and a close), and the host hands the socket
+    over to a new Connection."""
+
+    def __init__(self, host: Host):
+        self.host = host
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.host._admit(transport)
+
+    def data_received(self, data: bytes) -> None:  # the socket was refused: whatever comes is dropped
+        pass
+
+
 def listener_left_data(stream: Stream) -> bool:
     """Whether bytes past the protocol proposal are already buffered (a lazy proposal brings the request)."""
     return bool(stream._peek(1))
-
-
-def _ip_of(addr: Multiaddr | None) -> str | None:
-    try:
-        return parse_host_port(addr)[0] if addr is not None else None
-    except MultiaddrError:
-        return None
 
 
 def _share_port(sock: socket.socket) -> None:

@@ -35,6 +35,9 @@ class HostOptions:
     """Inbound connections from one IPv4 address or IPv6 /64 (many honest peers can share one NAT)."""
     max_connections_per_subnet: int = 256
     """Inbound connections from one IPv4 /24 or IPv6 /48."""
+    max_connection_rate_per_ip: float = 10.0
+    """New inbound connections per second from one IP on average, after a burst of
+    `max_connections_per_ip`; faster ones are closed before their handshake costs us anything."""
     limit_exempt_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     """Networks that the per-IP and per-subnet bounds do not apply to (loopback: local swarms, tests).
     The global and per-peer bounds still do."""
@@ -61,6 +64,9 @@ class HostOptions:
                      "max_inbound_streams_per_peer", "ping_burst"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HostOptions.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("ping_rate", "max_connection_rate_per_ip"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HostOptions.{name} must be positive, got {getattr(self, name)}")
         unknown = [name for name in self.noise_ciphers if name not in noise.SUITES]
         if unknown or not self.noise_ciphers:
             raise ValueError(f"noise_ciphers must name one or more of {sorted(noise.SUITES)}, "

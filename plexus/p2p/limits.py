@@ -7,7 +7,9 @@ against a bound from `HostOptions`, and the host asks before it grants one:
 - `InboundConnections`: inbound connections by source. A connection is counted from the moment the
   socket is accepted (still handshaking: "pending") until it closes, against the global bound
   (`max_connections`), the bound on handshakes at once (`max_pending_connections`), and per IP
-  (an IPv4 address, an IPv6 /64) and per subnet (IPv4 /24, IPv6 /48). Addresses in
+  (an IPv4 address, an IPv6 /64) and per subnet (IPv4 /24, IPv6 /48), and new ones per IP are
+  rate-limited (`max_connection_rate_per_ip`), so that a peer dialing in a loop costs us an accept
+  and a close, not a handshake each time. Addresses in
   `limit_exempt_networks` (loopback by default: local swarms and tests) skip the per-IP and
   per-subnet bounds, not the global one. Connections per *peer* are bounded by the host itself once
   the handshake says who the peer is (`max_connections_per_peer`).
@@ -52,9 +54,10 @@ class InboundTicket:
 class InboundConnections:
     """Inbound connections by source address, against the global, pending, per-IP and per-subnet bounds."""
 
-    def __init__(self, *, max_total: int, max_pending: int, per_ip: int, per_subnet: int,
+    def __init__(self, *, max_total: int, max_pending: int, per_ip: int, per_subnet: int, rate_per_ip: float = 1e9,
                  exempt_networks: Iterable[str] = ()):
         self.max_total, self.max_pending, self.per_ip, self.per_subnet = max_total, max_pending, per_ip, per_subnet
+        self.rate = TokenBucket(rate_per_ip, burst=per_ip)
         self.exempt = [ipaddress.ip_network(network) for network in exempt_networks]
         self.total = self.pending = 0
         self.by_ip: _Counter[str] = _Counter()
@@ -64,7 +67,7 @@ class InboundConnections:
         address = ipaddress.ip_address(ip.split("%")[0])
         return any(address in network for network in self.exempt if network.version == address.version)
 
-    def admit(self, ip: str | None) -> tuple[InboundTicket | None, str | None]:
+    def admit(self, ip: str | None, now: float = 0.0) -> tuple[InboundTicket | None, str | None]:
         """Count a new inbound connection from `ip` (None: unknown), or say why it is refused."""
         if self.total >= self.max_total:
             return None, f"the host has {self.total} inbound connections, its limit (max_connections)"
@@ -78,6 +81,8 @@ class InboundConnections:
             if self.by_subnet[subnet_key] >= self.per_subnet:
                 return None, (f"subnet {subnet_key} holds {self.by_subnet[subnet_key]} connections, the limit "
                               f"(max_connections_per_subnet)")
+            if not self.rate.allow(ip_key, now):
+                return None, f"{ip_key} opens connections faster than max_connection_rate_per_ip={self.rate.rate}/s"
             self.by_ip[ip_key] += 1
             self.by_subnet[subnet_key] += 1
         self.total += 1

@@ -19,14 +19,15 @@ from ..p2p.protocols.multistream import MultistreamDialer
 
 
 class ConnectionFlood:
-    """Open `attempts` connections to `target` (…/p2p/<id>), `concurrency` at a time, from `identities` ids."""
+    """Open connections to `target` (…/p2p/<id>), `concurrency` at a time, under `identities` peer ids
+    taken in turn (None: a fresh one for every connection)."""
 
-    def __init__(self, target: Multiaddr | str, *, identities: int = 1, protocol: str = PING_PROTOCOL,
+    def __init__(self, target: Multiaddr | str, *, identities: int | None = 1, protocol: str = PING_PROTOCOL,
                  concurrency: int = 32, dial_timeout: float = 10.0):
         self.target = Multiaddr(target) if isinstance(target, str) else target
         self.peer: PeerID = self.target.peer_id
         self.host, self.port, _ = parse_host_port(self.target.without_peer_id())
-        self.keys = [PrivateKey.generate() for _ in range(identities)]
+        self.keys = [PrivateKey.generate() for _ in range(identities)] if identities is not None else []
         self.protocol, self.concurrency, self.dial_timeout = protocol, concurrency, dial_timeout
         self.held: list[Connection] = []
         self.opened = self.refused = 0
@@ -34,7 +35,7 @@ class ConnectionFlood:
 
     async def run(self, attempts: int) -> None:
         """Make `attempts` connections (each ends held, or refused by the target)."""
-        keys = itertools.cycle(self.keys)
+        keys = itertools.cycle(self.keys) if self.keys else iter(PrivateKey.generate, None)
         pending = iter(range(attempts))
 
         async def worker() -> None:

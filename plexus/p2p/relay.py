@@ -110,7 +110,9 @@ class RelayService:
         self._pipes: set[asyncio.Task] = set()
 
     def start(self) -> "RelayService":
-        self.host.set_stream_handler(core.HOP_PROTOCOL, self._serve_hop)
+        # a peer's hop streams: one per circuit it has open (the circuit runs on it), a reservation, a spare
+        self.host.set_stream_handler(core.HOP_PROTOCOL, self._serve_hop,
+                                     max_per_peer=self.limits.max_circuits_per_peer + 2)
         return self
 
     async def stop(self) -> None:

@@ -68,7 +68,8 @@ class DHT:
                  auto_nat: bool = True, force_reachability: str | None = None,
                  relay_service: bool | RelayLimits = True, hole_punching: bool = True,
                  use_ipfs: bool = False, ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
-                 noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, **node_options):
+                 noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, swarm_key: bytes | None = None,
+                 **node_options):
         """
         Args (besides hivemind's DHT ones):
             client_mode: True: only dial out, take part as a client; None: decide at start (a peer
@@ -85,6 +86,8 @@ class DHT:
             ipfs_bootstrap_peers: where to join that DHT (default: the public IPFS bootstrap peers).
             noise_ciphers: Noise cipher functions to offer, most preferred first (`HostOptions`); put
                 "ChaChaPoly" first on a CPU without AES instructions.
+            swarm_key: a private network's 32-byte pre-shared key (`plexus.p2p.pnet.load_swarm_key`
+                reads a swarm.key file): only peers holding it can connect at all.
         """
         if force_reachability not in (None, "public", "private"):
             raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")
@@ -98,7 +101,8 @@ class DHT:
         self.force_reachability, self.hole_punching = force_reachability, hole_punching and use_relay
         self.host_options = HostOptions(  # checked here, not at start
             host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
-            reuse_port=self.hole_punching and bool(self.host_maddrs), noise_ciphers=tuple(noise_ciphers))
+            reuse_port=self.hole_punching and bool(self.host_maddrs), noise_ciphers=tuple(noise_ciphers),
+            swarm_key=swarm_key)
         self.relay_limits = relay_service if isinstance(relay_service, RelayLimits) else \
             RelayLimits() if relay_service else None
         self.use_ipfs, self.ipfs_bootstrap_peers = use_ipfs, ipfs_bootstrap_peers

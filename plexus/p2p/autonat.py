@@ -89,7 +89,8 @@ class AutoNATService:
             self._busy -= 1
 
     async def _dial_back(self, peer: PeerID, addrs: list[Multiaddr]) -> DialResponse:
-        prober = await Host(PrivateKey.generate(), host_maddrs=(), dial_timeout=self.dial_timeout).start()
+        prober = await Host(PrivateKey.generate(), host_maddrs=(), dial_timeout=self.dial_timeout,
+                            swarm_key=self.host.options.swarm_key).start()
         try:
             for addr in addrs:
                 try:

@@ -229,7 +229,7 @@ class HolePuncher:
             async with asyncio.timeout(self.dial_timeout):
                 await loop.sock_connect(sock, (host, port))
                 connection = self.host.make_connection(initiator=noise_initiator, expected_peer=peer)
-                await loop.create_connection(lambda: connection, sock=sock)
+                await loop.create_connection(lambda: self.host.protect(connection), sock=sock)
                 await connection.upgrade()
         except (OSError, TimeoutError, ProtocolError, ConnectionError) as error:
             logger.debug(f"hole-punching dial to {host}:{port} failed: {error!r}")

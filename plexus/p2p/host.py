@@ -33,6 +33,7 @@ from .identity import PeerID, PrivateKey
 from .limits import Counter, InboundConnections, InboundTicket
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address, parse_host_port
 from .ping import PING_PROTOCOL, PING_SIZE, PingService
+from .pnet import PrivateNetworkLayer
 from .protocols import noise
 from .protocols.errors import ProtocolError
 from .protocols.multistream import MultistreamDialer, MultistreamListener
@@ -220,8 +221,9 @@ class Host:
             return
         connection = self.make_connection(initiator=False)
         self._tickets[connection] = ticket  # given back when the connection closes (_on_close)
-        transport.set_protocol(connection)
-        connection.connection_made(transport)
+        protocol = self.protect(connection)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
         self._spawn(self._upgrade_inbound(connection))
 
     async def _upgrade_inbound(self, connection: Connection) -> None:
@@ -280,6 +282,13 @@ class Host:
                           max_streams=self.options.max_streams_per_connection,
                           noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers),
                           decrypt_buffers=self._decrypt_buffers)
+
+    def protect(self, connection: Connection) -> asyncio.BufferedProtocol:
+        """What a transport must drive for `connection`: the connection itself, or in a private network
+        (`swarm_key`) the layer that encrypts every byte with the key (plexus/p2p/pnet.py)."""
+        if self.options.swarm_key is None:
+            return connection
+        return PrivateNetworkLayer(self.options.swarm_key, connection)
 
     def add_connection(self, connection: Connection) -> None:
         """Adopt an upgraded Connection made by another transport (identify runs on it)."""
@@ -357,7 +366,7 @@ class Host:
         connection = self.make_connection(initiator=True, expected_peer=peer_id)
         try:
             async with asyncio.timeout(self.options.dial_timeout):
-                await loop.create_connection(lambda: connection, host, port)
+                await loop.create_connection(lambda: self.protect(connection), host, port)
                 await connection.upgrade()
         except BaseException as error:
             connection.abort(f"dial failed: {error!r}")

@@ -1,6 +1,6 @@
 """`HostOptions`: every knob of a Host, each bound with its default and what it is for."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .protocols import noise
 
@@ -54,6 +54,9 @@ class HostOptions:
     reuse_port: bool = False
     """Let outgoing sockets bind our listening ports (SO_REUSEPORT, set once each listener is bound, so a
     second listener on the same port still fails): hole punching (plexus/p2p/dcutr.py) dials from them."""
+    swarm_key: bytes | None = field(default=None, repr=False)
+    """The 32-byte pre-shared key of a private network (libp2p pnet; read a `swarm.key` file with
+    `plexus.p2p.pnet.load_swarm_key`): peers without it cannot even complete a connection."""
     noise_ciphers: tuple[str, ...] = tuple(noise.SUITES)
     """Noise cipher functions to offer, most preferred first. ChaChaPoly is libp2p's "/noise", which every
     libp2p peer speaks; AESGCM, which Plexus peers also speak, is 2-3x faster on CPUs with AES instructions."""
@@ -67,6 +70,8 @@ class HostOptions:
         for name in ("ping_rate", "max_connection_rate_per_ip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HostOptions.{name} must be positive, got {getattr(self, name)}")
+        if self.swarm_key is not None and len(self.swarm_key) != 32:
+            raise ValueError(f"HostOptions.swarm_key must be 32 bytes (a swarm.key file's key), got {len(self.swarm_key)}")
         unknown = [name for name in self.noise_ciphers if name not in noise.SUITES]
         if unknown or not self.noise_ciphers:
             raise ValueError(f"noise_ciphers must name one or more of {sorted(noise.SUITES)}, "

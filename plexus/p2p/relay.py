@@ -432,7 +432,7 @@ class RelayClient:
         connection = self.host.make_connection(initiator=initiator, expected_peer=peer)
         connection.relayed, connection.relay_limit = True, limit
         connection.relay_observed_addrs = _parse_addrs(observed)  # where the relay saw the peer (dial_rule.py)
-        StreamTransport(stream, connection)
+        StreamTransport(stream, self.host.protect(connection))
         connection.remote_addr = relay_addr.encapsulate("/p2p-circuit")
         return connection
 

@@ -12,7 +12,8 @@ connections are counted from the accepted socket on, in total, while handshaking
 subnet, and rate-limited per IP; connections per peer once the handshake names it. Inbound streams are counted per peer and,
 for protocols registered with `max_per_peer`, per peer and protocol. A new inbound stream must pick
 its protocol within `negotiate_timeout` and send its first bytes within `request_timeout` after
-that, or it is reset. A connection on which nothing arrived for `idle_timeout` is closed whatever
+that, or it is reset. With an `authorizer`, streams from a peer that has shown no valid access token
+are refused (plexus/p2p/auth.py). A connection on which nothing arrived for `idle_timeout` is closed whatever
 streams are open on it; while a stream we opened is waiting, we ping the peer so that neither side
 takes the connection for idle. Each refusal is logged once per peer and minute (`refused`).
 
@@ -26,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..utils.logging import RateLimitedLog, get_logger
+from .auth import AUTH_PROTOCOL, AuthGate, AuthorizerBase
 from .connection import Connection, host_decrypt_buffers
 from .host_options import HostOptions
 from .identify import AGENT_VERSION, IdentifyService, describe, is_unspecified
@@ -66,7 +68,13 @@ class PeerInfo:
 class Host:
     """A libp2p peer speaking TCP + Noise + yamux, with identify and ping."""
 
-    def __init__(self, private_key: PrivateKey | None = None, options: HostOptions | None = None, **kwargs):
+    def __init__(self, private_key: PrivateKey | None = None, options: HostOptions | None = None, *,
+                 authorizer: AuthorizerBase | None = None, **kwargs):
+        """
+        Args:
+            options: the host's bounds and settings (or pass HostOptions' fields as keyword arguments).
+            authorizer: admit only peers it accepts, on every protocol (a private swarm, plexus/p2p/auth.py).
+        """
         self.private_key = private_key or PrivateKey.generate()
         self.peer_id = self.private_key.peer_id
         self.options = options or HostOptions(**kwargs)
@@ -98,6 +106,7 @@ class Host:
         """Extra addresses to advertise, e.g. /p2p/<relay>/p2p-circuit ones (added to visible addrs)."""
         self.identify_service = IdentifyService(self)
         self.ping_service = PingService(self)
+        self.auth_gate = AuthGate(self, authorizer, self.options.negotiate_timeout) if authorizer else None
 
     # --- life cycle --------------------------------------------------------------------------------
 
@@ -117,6 +126,8 @@ class Host:
                 self._listen_addrs.append(from_socket_address(address[0], address[1]))
         self._running = True
         self._spawn(self._close_idle_connections())
+        if self.auth_gate is not None:
+            self.auth_gate.start()
         logger.debug(f"host {self.peer_id} listening on {[str(a) for a in self._listen_addrs]}")
         return self
 
@@ -251,6 +262,8 @@ class Host:
         self._connections.setdefault(connection.remote_peer, []).append(connection)
         if connection.initiator:
             self.add_addrs(connection.remote_peer, [connection.remote_addr])
+        if self.auth_gate is not None:
+            self.auth_gate.connection_opened(connection)
         self._spawn(self.identify_service.run(connection))
 
     def _on_close(self, connection: Connection) -> None:
@@ -430,6 +443,8 @@ class Host:
             protocols = [protocols]
         async with asyncio.timeout(timeout):
             connection = await self.connect(peer)
+            if self.auth_gate is not None:
+                await self.auth_gate.check_outbound(connection)
             stream = connection.open_stream()
             dialer = MultistreamDialer(protocols)
             try:
@@ -467,6 +482,12 @@ class Host:
             protocol = await self._negotiate_inbound(stream)
             if protocol is None:
                 return
+            if self.auth_gate is not None and protocol != AUTH_PROTOCOL:
+                refusal = await self.auth_gate.admit(stream)
+                if refusal is not None:
+                    self.refused(("unauthorized stream", peer), f"refused a {protocol} stream from {peer}: {refusal}")
+                    stream.reset()
+                    return
             if not self._inbound_streams.acquire((peer, protocol), self._max_per_peer.get(protocol)):
                 self.refused(("streams per protocol", peer, protocol),
                              f"reset a new {protocol} stream from {peer}: it holds {self._max_per_peer[protocol]} "

@@ -14,7 +14,8 @@ The attacker comes from ::1 while honest peers use 127.0.0.1 (two source IPs, as
 against a victim without the loopback exemption (`limit_exempt_networks=()`), so every bound
 applies as it would to a stranger. By default the attacker runs at the lowest CPU priority
 (SCHED_IDLE): it stands for another machine, and on a shared box it must not take the victim's CPU
-itself; `--attacker-priority normal` lets it compete for the cores (the figures then include that). Two attacks:
+itself; `--attacker-priority normal` lets it compete for the cores (the figures then include that).
+Two attacks:
 
 - "one peer id": every connection under the same peer id;
 - "many ids": a fresh peer id per connection.
@@ -104,7 +105,8 @@ async def scenario(name: str, args, identities: int) -> dict:
     attacker = context.Process(target=attack, args=(str(target.with_peer_id(victim[0].peer_id)), identities,
                                                     args.attacker_priority, go, quit_, tried))
     attacker.start()
-    result = {"quiet": [], "flood": [], "joins": [], "held": [], "rates": [], "cpu": {"quiet": [], "flood": []}}
+    result = {"quiet": [], "flood": [], "joins": [], "held": [], "rates": [],
+              "cpu": {"quiet": [], "flood": []}}
     loop = asyncio.get_running_loop()
     try:
         for _ in range(args.phases):
@@ -148,9 +150,12 @@ async def main(args) -> None:
         base50, base90 = quantile(result["quiet"], 50), quantile(result["quiet"], 90)
         for phase in ("quiet", "flood"):
             p50, p90 = quantile(result[phase], 50), quantile(result[phase], 90)
-            join, held, rate = (f"{max(result['joins']):.2f}", max(result["held"]), f"{statistics.mean(result['rates']):.0f}") \
-                if phase == "flood" else ("", "", "")
-            print(f"{name:<12} {phase:<6} {p50 * 1e3:>10.2f} {p90 * 1e3:>7.2f} {p50 / base50:>6.2f} {p90 / base90:>6.2f} "
+            join, held, rate = ("", "", "")
+            if phase == "flood":
+                join, held = f"{max(result['joins']):.2f}", max(result["held"])
+                rate = f"{statistics.mean(result['rates']):.0f}"
+            print(f"{name:<12} {phase:<6} {p50 * 1e3:>10.2f} {p90 * 1e3:>7.2f} "
+                  f"{p50 / base50:>6.2f} {p90 / base90:>6.2f} "
                   f"{join:>7} {held:>5} {rate:>8} {statistics.mean(result['cpu'][phase]):>10.0%}")
 
 if __name__ == "__main__":
@@ -159,6 +164,7 @@ if __name__ == "__main__":
     parser.add_argument("--gets", type=int, default=150, help="timed gets per phase")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of flood before each flood phase")
     parser.add_argument("--attacker-priority", choices=("idle", "normal"), default="idle",
-                        help="idle: the attacker gets only CPU time nobody else wants (like another machine); "
+                        help="idle: the attacker gets only CPU time nobody else wants (like another "
+                             "machine); "
                              "normal: it competes with the victim for this machine's cores")
     asyncio.run(main(parser.parse_args()))

@@ -88,8 +88,9 @@ class AuthorizerBase(abc.ABC):
         if self.local_private_key is None:
             self.local_private_key = private_key
         elif self.local_private_key.peer_id != private_key.peer_id:
-            raise UsageError("the authorizer's local_private_key is not the host's identity: a token for it "
-                             "would not match the key our connections authenticate. Pass the same key or none")
+            raise UsageError("the authorizer's local_private_key is not the host's identity: a token for "
+                             "it would not match the key our connections authenticate. Pass the same key "
+                             "or none")
 
     @property
     def local_public_key(self) -> PublicKey:
@@ -144,7 +145,8 @@ class TokenAuthorizerBase(AuthorizerBase):
             if token is None or self.does_token_need_refreshing(token):
                 token = await self.get_token()
                 if token.public_key != self.local_public_key.to_protobuf():
-                    raise UsageError("get_token() returned a token for another key than ours (local_public_key)")
+                    raise UsageError("get_token() returned a token for another key than ours "
+                                     "(local_public_key)")
                 self._local_access_token = token
 
     async def credentials(self) -> bytes:
@@ -155,7 +157,8 @@ class TokenAuthorizerBase(AuthorizerBase):
         try:
             token = AccessToken.decode(credentials)
         except MessageError as error:
-            raise AuthorizationError(f"malformed access token: {error}", peer=peer, protocol=AUTH_PROTOCOL) from None
+            raise AuthorizationError(f"malformed access token: {error}", peer=peer,
+                                     protocol=AUTH_PROTOCOL) from None
         if token.public_key != public_key.to_protobuf():
             raise AuthorizationError("the access token names another key than this connection's",
                                      peer=peer, protocol=AUTH_PROTOCOL)
@@ -212,7 +215,8 @@ class SignedTokenAuthorizer(TokenAuthorizerBase):
                  get_token: Callable[[PublicKey], AccessToken | Awaitable[AccessToken]], *,
                  local_private_key: PrivateKey | None = None, refresh_before: float = 60.0):
         super().__init__(local_private_key)
-        self.authority_public_key, self._get_token, self.refresh_before = authority_public_key, get_token, refresh_before
+        self.authority_public_key, self._get_token = authority_public_key, get_token
+        self.refresh_before = refresh_before
 
     async def get_token(self) -> AccessToken:
         token = self._get_token(self.local_public_key)
@@ -299,7 +303,8 @@ class AuthGate:
                 state.ours_refusal = answer.reason or "refused"
         except (TimeoutError, ProtocolError, StreamError, ConnectionError, MessageError,
                 asyncio.IncompleteReadError) as error:
-            state.ours_refusal = f"it did not answer our access token ({error!r}): it is no member of this swarm"
+            state.ours_refusal = f"it did not answer our access token ({error!r}): it is no member of " \
+                                 f"this swarm"
             if stream is not None:
                 stream.reset()
         state.ours_answered.set()
@@ -326,7 +331,7 @@ class AuthGate:
                 await state.theirs_checked.wait()
         except TimeoutError:
             pass
-        if state.theirs_until <= get_dht_time():  # first: when we refused it, it may have left before answering us
+        if state.theirs_until <= get_dht_time():  # first: refused, it may have left before answering us
             reason = state.theirs_refusal or ("its access token expired" if state.theirs_until else
                                               f"it presented no access token within {self.timeout} s")
             raise AuthorizationError(f"{peer} is not a member of this swarm: {reason}", peer=peer,

@@ -72,12 +72,13 @@ class AutoNATService:
         if not addrs:
             self.host.refused(("autonat addresses", peer), f"AutoNAT: not dialing {peer} back: "
                                                            f"{'; '.join(refused) or 'it named no address'}")
-            return DialResponse(ResponseStatus.E_DIAL_REFUSED, "no address we may dial you at (we dial only "
-                                                               "your observed IP): " + "; ".join(refused)[:500])
+            text = "no address we may dial you at (we dial only your observed IP): " + "; ".join(refused)
+            return DialResponse(ResponseStatus.E_DIAL_REFUSED, text[:500])
         now = time.monotonic()
         if self._busy >= self.max_concurrent or now - self._last_request.get(peer, -1e9) < self.peer_interval:
-            self.host.refused(("autonat rate", peer), f"AutoNAT: refused a dial-back to {peer}: it asked again "
-                                                      f"within {self.peer_interval} s, or {self._busy} are under way")
+            self.host.refused(("autonat rate", peer), f"AutoNAT: refused a dial-back to {peer}: it asked "
+                                                      f"again within {self.peer_interval} s, or {self._busy} "
+                                                      f"are under way")
             return DialResponse(ResponseStatus.E_DIAL_REFUSED, "too many requests; try again later")
         self._last_request[peer] = now
         if len(self._last_request) > 1024:

@@ -167,7 +167,8 @@ class HolePuncher:
     async def _serve(self, stream: Stream) -> None:
         peer = stream.remote_peer
         if not getattr(stream.connection, "relayed", False):
-            self.host.refused(("dcutr direct", peer), f"refused hole punching with {peer} over a direct connection")
+            self.host.refused(("dcutr direct", peer), f"refused hole punching with {peer} over a direct "
+                                                      f"connection")
             stream.reset()
             return
         punch = core.HolePunch(False, self.our_addrs())

@@ -9,13 +9,14 @@ task; a handler that raises resets that stream and is logged, nothing more. Iden
 
 Bounds (every one a `HostOptions` field; plexus/p2p/limits.py keeps the counts). Inbound
 connections are counted from the accepted socket on, in total, while handshaking, per IP and per
-subnet, and rate-limited per IP; connections per peer once the handshake names it. Inbound streams are counted per peer and,
-for protocols registered with `max_per_peer`, per peer and protocol. A new inbound stream must pick
-its protocol within `negotiate_timeout` and send its first bytes within `request_timeout` after
-that, or it is reset. With an `authorizer`, streams from a peer that has shown no valid access token
-are refused (plexus/p2p/auth.py). A connection on which nothing arrived for `idle_timeout` is closed whatever
-streams are open on it; while a stream we opened is waiting, we ping the peer so that neither side
-takes the connection for idle. Each refusal is logged once per peer and minute (`refused`).
+subnet, and rate-limited per IP; connections per peer once the handshake names it. Inbound streams
+are counted per peer and, for protocols registered with `max_per_peer`, per peer and protocol. A
+new inbound stream must pick its protocol within `negotiate_timeout` and send its first bytes
+within `request_timeout` after that, or it is reset. With an `authorizer`, streams from a peer that
+has shown no valid access token are refused (plexus/p2p/auth.py). A connection on which nothing
+arrived for `idle_timeout` is closed whatever streams are open on it; while a stream we opened is
+waiting, we ping the peer so that neither side takes the connection for idle. Each refusal is
+logged once per peer and minute (`refused`).
 
 The host never blocks: all of it runs on the caller's event loop, and `shutdown()` closes the
 listeners, the connections and every task it started.
@@ -30,7 +31,7 @@ from ..utils.logging import RateLimitedLog, get_logger
 from .auth import AUTH_PROTOCOL, AuthGate, AuthorizerBase
 from .connection import Connection, host_decrypt_buffers
 from .host_options import HostOptions
-from .identify import AGENT_VERSION, IdentifyService, describe, is_unspecified
+from .identify import AGENT_VERSION, IdentifyService, describe
 from .identity import PeerID, PrivateKey
 from .limits import Counter, InboundConnections, InboundTicket
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address, parse_host_port
@@ -403,14 +404,16 @@ class Host:
                 for connection in list(connections):
                     quiet = now - connection.last_activity
                     if quiet > idle_timeout:
-                        logger.debug(f"closing {connection}: nothing arrived for {quiet:.1f} s (idle_timeout)")
+                        logger.debug(f"closing {connection}: nothing arrived for {quiet:.1f} s "
+                                     f"(idle_timeout)")
                         await connection.close()
                     elif quiet > idle_timeout / 2 and connection.has_outbound_streams():
                         connection.keepalive()
 
     # --- streams ------------------------------------------------------------------------------------
 
-    def set_stream_handler(self, protocol: str, handler: StreamHandler, *, max_per_peer: int | None = None) -> None:
+    def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
+                           max_per_peer: int | None = None) -> None:
         """Serve `protocol` with `handler(stream)`; with `max_per_peer`, at most that many of one peer's
         streams on it at once (more are reset). Every protocol shares `max_inbound_streams_per_peer`."""
         self._handlers[protocol] = handler
@@ -485,13 +488,14 @@ class Host:
             if self.auth_gate is not None and protocol != AUTH_PROTOCOL:
                 refusal = await self.auth_gate.admit(stream)
                 if refusal is not None:
-                    self.refused(("unauthorized stream", peer), f"refused a {protocol} stream from {peer}: {refusal}")
+                    self.refused(("unauthorized stream", peer),
+                                 f"refused a {protocol} stream from {peer}: {refusal}")
                     stream.reset()
                     return
             if not self._inbound_streams.acquire((peer, protocol), self._max_per_peer.get(protocol)):
                 self.refused(("streams per protocol", peer, protocol),
-                             f"reset a new {protocol} stream from {peer}: it holds {self._max_per_peer[protocol]} "
-                             f"on this protocol already")
+                             f"reset a new {protocol} stream from {peer}: it holds "
+                             f"{self._max_per_peer[protocol]} on this protocol already")
                 stream.reset()
                 return
             try:
@@ -549,8 +553,8 @@ class Host:
     def _check_first_bytes(self, stream: Stream, received_at_negotiation: int) -> None:
         if stream.bytes_received == received_at_negotiation and not stream.is_reset:
             self.refused(("silent stream", stream.remote_peer),
-                         f"reset a {stream.protocol} stream from {stream.remote_peer}: it sent nothing within "
-                         f"{self.options.request_timeout} s of opening (request_timeout)")
+                         f"reset a {stream.protocol} stream from {stream.remote_peer}: it sent nothing "
+                         f"within {self.options.request_timeout} s of opening (request_timeout)")
             stream.reset()
 
     # --- identify and ping (plexus/p2p/identify.py, plexus/p2p/ping.py) -----------------------------

@@ -71,7 +71,8 @@ class HostOptions:
             if not getattr(self, name) > 0:
                 raise ValueError(f"HostOptions.{name} must be positive, got {getattr(self, name)}")
         if self.swarm_key is not None and len(self.swarm_key) != 32:
-            raise ValueError(f"HostOptions.swarm_key must be 32 bytes (a swarm.key file's key), got {len(self.swarm_key)}")
+            raise ValueError(f"HostOptions.swarm_key must be 32 bytes (a swarm.key file's key), "
+                             f"got {len(self.swarm_key)}")
         unknown = [name for name in self.noise_ciphers if name not in noise.SUITES]
         if unknown or not self.noise_ciphers:
             raise ValueError(f"noise_ciphers must name one or more of {sorted(noise.SUITES)}, "

@@ -9,8 +9,9 @@ and hole punching.
 What a peer tells us is a claim, and bounded as one: a message is at most MAX_IDENTIFY_SIZE and
 must arrive within the host's `request_timeout`; a peer may run at most MAX_STREAMS_PER_PEER
 identify or push streams at once; of its addresses only the first MAX_LISTEN_ADDRS are read and
-only parseable, specified ones kept (the host keeps the newest few); and our observed addresses are at most MAX_OBSERVED_ADDRS, counted by
-distinct observers, so that no single peer can fill the list or make one address outrank another.
+only parseable, specified ones kept (the host keeps the newest few); and our observed addresses
+are at most MAX_OBSERVED_ADDRS, counted by distinct observers, so that no single peer can fill the
+list or make one address outrank another.
 """
 
 import asyncio
@@ -42,7 +43,8 @@ class IdentifyService:
         self.identified: dict[PeerID, asyncio.Event] = {}
         self.observed_addrs: dict[Multiaddr, set[PeerID]] = {}  # our address -> the peers that saw us there
         host.set_stream_handler(core.IDENTIFY_PROTOCOL, self._serve, max_per_peer=MAX_STREAMS_PER_PEER)
-        host.set_stream_handler(core.IDENTIFY_PUSH_PROTOCOL, self._serve_push, max_per_peer=MAX_STREAMS_PER_PEER)
+        host.set_stream_handler(core.IDENTIFY_PUSH_PROTOCOL, self._serve_push,
+                                max_per_peer=MAX_STREAMS_PER_PEER)
 
     def message(self, connection: Connection) -> bytes:
         return core.encode_identify({
@@ -97,7 +99,8 @@ class IdentifyService:
             await stream.close()
             if data is not None:
                 self.apply(peer, core.decode_identify(data), connection)
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
+        except (TimeoutError, ProtocolError, StreamError, ConnectionError,
+                asyncio.IncompleteReadError) as error:
             logger.debug(f"identify with {peer} failed: {describe(error)}")
             if stream is not None:
                 stream.reset()  # an unanswered stream of ours would keep the connection alive (keepalive)

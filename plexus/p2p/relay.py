@@ -205,13 +205,15 @@ class RelayService:
         finally:
             self.resources.close_circuit(source, target)
 
-    async def _open_stop(self, source: PeerID, target: PeerID, source_addrs: tuple[bytes, ...]) -> Stream | None:
+    async def _open_stop(self, source: PeerID, target: PeerID,
+                         source_addrs: tuple[bytes, ...]) -> Stream | None:
         stream = None
         try:
             async with asyncio.timeout(MESSAGE_TIMEOUT):
                 stream = await self.host.new_stream(target, core.STOP_PROTOCOL)
                 await write_delimited(stream, core.encode_stop(
-                    StopMessage(StopType.CONNECT, peer=source, limit=self.limits.limit, peer_addrs=source_addrs)))
+                    StopMessage(StopType.CONNECT, peer=source, limit=self.limits.limit,
+                                peer_addrs=source_addrs)))
                 data = await read_message(stream)
                 answer = core.decode_stop(data) if data is not None else None
         except (TimeoutError, ProtocolError, StreamError, ConnectionError) as error:
@@ -431,7 +433,7 @@ class RelayClient:
                           limit: Limit | None, observed: tuple[bytes, ...]) -> Connection:
         connection = self.host.make_connection(initiator=initiator, expected_peer=peer)
         connection.relayed, connection.relay_limit = True, limit
-        connection.relay_observed_addrs = _parse_addrs(observed)  # where the relay saw the peer (dial_rule.py)
+        connection.relay_observed_addrs = _parse_addrs(observed)  # where the relay saw the peer
         StreamTransport(stream, self.host.protect(connection))
         connection.remote_addr = relay_addr.encapsulate("/p2p-circuit")
         return connection

@@ -137,7 +137,8 @@ async def _first_within(messages: AsyncIterator, timeout: float | None, protocol
         async with asyncio.timeout(timeout):
             first = await anext(messages, None)
     except TimeoutError:
-        raise RPCProtocolError(f"no request arrived on {protocol} within {timeout} s (request_timeout)") from None
+        raise RPCProtocolError(f"no request arrived on {protocol} within {timeout} s "
+                               f"(request_timeout)") from None
     if first is None:
         return
     yield first
@@ -169,9 +170,10 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
         peer = context.remote_peer
         if not under_way.acquire(peer, max_concurrent_per_peer):
             host.refused(("rpc requests per peer", peer, protocol),
-                         f"refused a {protocol} request from {peer}: it has {max_concurrent_per_peer} under way "
-                         f"(max_concurrent_per_peer)")
-            message = f"too many concurrent {protocol} requests from you ({max_concurrent_per_peer}); retry later"
+                         f"refused a {protocol} request from {peer}: it has {max_concurrent_per_peer} "
+                         f"under way (max_concurrent_per_peer)")
+            message = f"too many concurrent {protocol} requests from you ({max_concurrent_per_peer}); " \
+                      f"retry later"
             await write_frame(stream, message.encode(), ERROR)
             stream.reset()
             return
@@ -182,8 +184,8 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
 
     async def _serve_request(stream: Stream, context: RPCContext) -> None:
         try:
-            requests = _first_within(_read_messages(stream, request_type, max_message_size, context.remote_peer),
-                                     request_timeout, protocol)
+            messages = _read_messages(stream, request_type, max_message_size, context.remote_peer)
+            requests = _first_within(messages, request_timeout, protocol)
             if stream_input:
                 request = requests
             else:
@@ -194,8 +196,8 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
                     async with asyncio.timeout(request_timeout):
                         extra = await anext(requests, None)
                 except TimeoutError:
-                    raise RPCProtocolError(f"the request on {protocol} did not end within {request_timeout} s "
-                                           f"(request_timeout)") from None
+                    raise RPCProtocolError(f"the request on {protocol} did not end within "
+                                           f"{request_timeout} s (request_timeout)") from None
                 if extra is not None:
                     raise RPCProtocolError("the caller sent more than one request to a unary method")
             if stream_output:
@@ -286,7 +288,7 @@ async def call_stream(host: Host, peer: PeerID, protocol: str, requests, respons
         if not sender.done():
             sender.cancel()
         elif not sender.cancelled():
-            sender.exception()  # the error in flight (e.g. the handler's refusal) explains more than a reset stream
+            sender.exception()  # the error in flight (the handler's refusal, say) says more than a reset
         stream.reset()
         raise
 

@@ -113,7 +113,7 @@ class DHTProtocol:
         """Validate and keep one record (in the cache if `in_cache`), booked to `sender` (the peer id
         bytes of whoever sent it; None: ourselves) for the storage limits; False if refused."""
         if not self.is_valid(item.key, item.subkey, item.value, item.expiration_time):
-            self._refusals.warning((sender, "invalid"), f"refused a record from {describe_sender(sender)}: "
+            self._refusals.warning(("invalid record", sender), f"refused a record from {describe_sender(sender)}: "
                                                         f"it fails validation (signature, schema or bounds)")
             return False
         target = self.cache if item.in_cache else self.storage

@@ -318,7 +318,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
     def _refuse(self, sender: Sender, limit: str, reason: str) -> bool:
         """Log once per sender and `limit` (the limit's name), and refuse."""
         who = describe_sender(sender)
-        self._refusals.warning((sender, limit), f"DHT storage refused a record from {who} ({limit}): "
+        self._refusals.warning((limit, sender), f"DHT storage refused a record from {who} ({limit}): "
                                                 f"{reason}")
         return False
 

@@ -389,7 +389,7 @@ class ProgressTracker:
                                                f"(at most {max_speed})")
         if broken is not None:
             peer = signer_of(subkey) or report.peer_id[:64]
-            self._rejections.warning((peer, broken[0]), f"ignoring the progress record of {peer}: "
+            self._rejections.warning((broken[0], peer), f"ignoring the progress record of {peer}: "
                                                         f"{broken[1]}")
         return broken is None
 
@@ -465,7 +465,7 @@ class ProgressTracker:
                 self._notify(self._wake_fetcher)
             if served is None or served < epoch:
                 self._refuted[peer] = epoch
-                self._rejections.warning((peer, "epoch"), f"not believing that {PeerID(peer)} is at epoch "
+                self._rejections.warning(("epoch", peer), f"not believing that {PeerID(peer)} is at epoch "
                                                           f"{epoch}: its state server offers {served}")
         finally:
             self._probes.pop(peer, None)

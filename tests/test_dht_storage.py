@@ -170,5 +170,5 @@ def test_refusals_are_logged_once_per_sender_and_limit(caplog):
     storage = DHTLocalStorage(limits=StorageLimits(max_records_per_sender=1))
     with caplog.at_level("WARNING", logger="plexus.dht.storage"):
         for i in range(100):
-            storage.store(DHTID.generate(i), b"x", 10, now=0, sender=HOSTILE)
+            storage.store(DHTID.generate(i), b"x", 10, now=0, sender=b"peer-logged-once")
     assert [record.getMessage().count("max_records_per_sender") for record in caplog.records] == [1]

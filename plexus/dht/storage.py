@@ -40,6 +40,7 @@ from .crypto import OWNER_PATTERN
 from .routing import DHTID
 
 logger = logging.getLogger(__name__)
+_REFUSALS = RateLimitedLog(logger)  # shared: readers merge answers in many short-lived storages
 
 BinaryValue = bytes
 Subkey = bytes  # msgpack of the user's subkey
@@ -208,7 +209,6 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         super().__init__(maxsize)
         self.limits = limits
         self._ledger = _Ledger() if limits is not None else None
-        self._refusals = RateLimitedLog(logger)
 
     @property
     def total_bytes(self) -> int:
@@ -318,8 +318,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
     def _refuse(self, sender: Sender, limit: str, reason: str) -> bool:
         """Log once per sender and `limit` (the limit's name), and refuse."""
         who = describe_sender(sender)
-        self._refusals.warning((limit, sender), f"DHT storage refused a record from {who} ({limit}): "
-                                                f"{reason}")
+        _REFUSALS.warning((limit, sender), f"DHT storage refused a record from {who} ({limit}): {reason}")
         return False
 
     def _admit(self, key: DHTID, subkey: Subkey | None, value: BinaryValue, expiration_time: float,

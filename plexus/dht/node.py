@@ -49,7 +49,7 @@ from .messages import (
 )
 from .protocol import DHTProtocol, HandOver, PingToEvict
 from .routing import DHTID, RoutingTable
-from .storage import DHTLocalStorage
+from .storage import DHTLocalStorage, StorageLimits
 from .store_and_get import StoreAndGet
 from .transport import DHTTransport
 from .traverse import Traversal, TraversalRequest
@@ -103,12 +103,14 @@ class DHTNode(StoreAndGet):
         record_validator=None,
         ensure_bootstrap_success: bool = True,
         bootstrap_timeout: float | None = None,
+        storage_limits: StorageLimits | None = None,
         diversity: DiversityOptions | None = None,
         min_request_timeout: float = DEFAULT_MIN_REQUEST_TIMEOUT,
         liveness: LivenessOptions | None = None,
     ) -> "DHTNode":
         """Start serving on `rpc` (unless `client_mode`), then join through `initial_peers`.
 
+        `storage_limits` bounds what this node stores and caches for others (default: `StorageLimits()`).
         `wait_timeout` bounds every request; once requests have been answered, a request fails
         sooner, at a multiple of their recent latency but not before `min_request_timeout`.
         `diversity` bounds routing-table entries per network (default `DiversityOptions()`: 2 per
@@ -132,7 +134,9 @@ class DHTNode(StoreAndGet):
         self.record_validator = record_validator
         self.routing_table = RoutingTable(self.node_id, bucket_size, depth_modulo,
                                           DiversityOptions() if diversity is None else diversity)
-        self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)
+        self.storage_limits = StorageLimits() if storage_limits is None else storage_limits
+        self.storage = DHTLocalStorage(limits=self.storage_limits)
+        self.cache = DHTLocalStorage(maxsize=cache_size, limits=self.storage_limits)
         self.protocol = DHTProtocol(
             self.node_id, self.routing_table, self.storage, self.cache, record_validator, num_replicas, client_mode,
             addresses_of=rpc.known_addresses, ip_of=rpc.remote_ip,

@@ -128,9 +128,11 @@ class Optimizer(torch.optim.Optimizer):
                 self.state_averager.main_parameters, dht=dht, prefix=f"{run_id}_grad_averager",
                 reuse_grad_buffers=reuse_grad_buffers, averaged_grads=averaged_grads, auxiliary=auxiliary,
                 compression=grad_compression, **round_opts)
+        # a peer's claim to be ahead of the swarm is checked against the state it serves (state_prefix)
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
-            status_loglevel=self.status_loglevel, **(tracker_opts or {}))
+            status_loglevel=self.status_loglevel,
+            **{"state_prefix": self.state_averager.prefix, **(tracker_opts or {})})
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet

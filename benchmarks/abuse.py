@@ -1,10 +1,11 @@
 """Abuse benchmark: each attack against one node while an honest client measures what it still gets.
 
-Run: `.venv/bin/python benchmarks/abuse.py [--attacks conn-flood,ping-flood,key-flood,subkey-stuffing,sybils,moe-flood]
-[--seconds 15] [--honest 8] [--sybils 200]`
+Run: `.venv/bin/python benchmarks/abuse.py [--attacks ATTACK,...] [--seconds 15] [--honest 8] [--sybils 200]
+[--attacker-priority idle]`, with ATTACK among conn-flood, ping-flood, key-flood, subkey-stuffing,
+sybils, sybils-one-address, moe-flood (default: all).
 
 Every attack gets a fresh victim in a process of its own (so its memory is its own), an attacker in
-another process, and the honest side in this one, all on 127.0.0.1:
+another process, and the honest side in this one, all on this machine's loopback addresses:
 
 - DHT attacks: the victim is a `DHTNode` on a `Host`, with default options; `--honest - 1` more
   honest DHT nodes and the honest client (client mode, joined through the victim) run here. The
@@ -22,27 +23,37 @@ rate without and with the attack, the victim's ping latency, and the victim's re
 the end of the baseline and at its peak under attack.
 
 The attacks (whatever limits the code under test has, they meet them; nothing here is tuned to it):
-- conn-flood: `--silent-connections` TCP connections that never say a word, plus `--stream-hosts`
-  libp2p peers each opening `--streams-per-host` DHT streams that never send their request;
-  whatever the victim closes is opened again.
+- conn-flood: `--silent-connections` TCP connections that never say a word, plus connections that
+  complete their handshake under fresh peer ids and each hold a DHT stream that never sends its
+  request (`plexus.testing.flood.ConnectionFlood`, `--flood-connections` of them); whatever the
+  victim closes is opened again.
 - ping-flood: `--flood-peers` peers, each with 64 DHT pings in flight at all times.
 - key-flood: 100,000 small keys stored on the victim, 1,024 per request, 8 requests in flight.
 - subkey-stuffing: 100,000 sub-keys stored under the honest client's shared dictionary key.
 - sybils: `--sybils` DHT nodes in the attacker's process join through the victim and look around
-  until they fill the honest routing tables; then the process is frozen (SIGSTOP), as a machine that
-  lost power or a Sybil operator that goes silent at once. The notes give the victim's routing table
-  before the freeze and how it shrank.
+  until they fill the honest routing tables; then the process is frozen (SIGSTOP), as a machine
+  that lost power or a Sybil operator going silent at once. They share 127.0.0.1 with the honest
+  nodes, which the routing tables do not limit (loopback is exempt), so this measures how lookups
+  and tables cope with the frozen ids alone. The notes give the victim's routing table at the
+  freeze and how it shrank, and the honest p50 in the first 5 s of the attack and after.
+- sybils-one-address: the same from another address of this machine (127.0.0.66: every socket of
+  the attacker binds it), against honest nodes that exempt only 127.0.0.1, so that the routing
+  tables' per-network bounds apply to the Sybils as they would to one machine on the internet.
 - moe-flood: one peer keeps 200 maximum-size forward calls in flight (`--max-batch` rows each).
 
-The machines here are small and shared: the attacker, the victim and the honest side share its
-cores, so the attacker's own CPU is part of every attack. Compare ratios within a run.
+By default the flooding attackers run at the lowest CPU priority (SCHED_IDLE): they stand for
+other machines, and on a small shared box they must not take the victim's CPU themselves
+(`--attacker-priority normal` lets them compete; the figures then include that). The Sybils join
+at normal priority (joining is not the attack; they are frozen for the measurement).
 """
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import random
+import resource
 import signal
 import statistics
 import sys
@@ -51,22 +62,40 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
+import torch  # noqa: E402
 
-from plexus.dht.messages import PingRequest, StoreItem, StoreRequest  # noqa: E402
+from plexus.dht.messages import PingRequest, StoreItem, StoreRequest, StoreResponse, decode_response  # noqa: E402
 from plexus.dht.node import DHTNode  # noqa: E402
 from plexus.dht.p2p_transport import DHT_PROTOCOL, HostDHTTransport  # noqa: E402
 from plexus.dht.routing import DHTID  # noqa: E402
+from plexus.moe import BatchTensorDescriptor, ExpertInfo, ModuleBackend, Server  # noqa: E402
+from plexus.moe.client import expert_forward, get_expert_schema  # noqa: E402
+from plexus.moe.server.layers import name_to_block, name_to_input  # noqa: E402
 from plexus.p2p import rpc  # noqa: E402
 from plexus.p2p.host import Host  # noqa: E402
 from plexus.p2p.multiaddr import Multiaddr, parse_host_port  # noqa: E402
+from plexus.testing.flood import ConnectionFlood  # noqa: E402
 from plexus.utils.serializer import MSGPackSerializer  # noqa: E402
 from plexus.utils.timing import get_dht_time  # noqa: E402
 
 LISTEN = ("/ip4/127.0.0.1/tcp/0",)
-ATTACKS = ("conn-flood", "ping-flood", "key-flood", "subkey-stuffing", "sybils", "moe-flood")
+SYBIL_IP = "127.0.0.66"  # another address of this machine: every 127/8 address is the loopback's
+ATTACKS = ("conn-flood", "ping-flood", "key-flood", "subkey-stuffing", "sybils", "sybils-one-address",
+           "moe-flood")
+FLOODS = ("conn-flood", "ping-flood", "key-flood", "subkey-stuffing", "moe-flood")
 EXPERT_UID = "ffn.0"
 FLOOD_KEYS = 100_000
 OP_TIMEOUT = 10.0  # an honest operation that takes longer counts as failed
+FIRST_SECONDS = 5.0  # the Sybil notes split the attack window here
+
+
+def node_options(attack: str) -> dict:
+    """DHTNode options of the honest side: for sybils-one-address, exempt 127.0.0.1 alone from the
+    routing tables' per-network bounds (when the code under test has them)."""
+    if attack != "sybils-one-address" or "diversity" not in inspect.signature(DHTNode.create).parameters:
+        return {}
+    from plexus.dht.diversity import DiversityOptions
+    return {"diversity": DiversityOptions(exempt_networks=("127.0.0.1/32",))}
 
 
 def say(**fields) -> None:
@@ -78,7 +107,7 @@ def say(**fields) -> None:
 
 async def dht_victim(args) -> None:
     host = await Host(host_maddrs=LISTEN).start()
-    node = await DHTNode.create(rpc=HostDHTTransport(host))
+    node = await DHTNode.create(rpc=HostDHTTransport(host), **node_options(args.attack))
     say(maddr=str(host.get_listen_maddrs()[0].with_peer_id(host.peer_id)), node_id=int(node.node_id))
     while True:
         say(table=len(node.routing_table), keys=len(node.storage))
@@ -86,16 +115,10 @@ async def dht_victim(args) -> None:
 
 
 async def moe_victim(args) -> None:
-    import torch
-
-    from plexus.moe import ModuleBackend, Server
-    from plexus.moe.server.layers import name_to_block, name_to_input
-
     torch.set_num_threads(args.threads)
     host = await Host(host_maddrs=LISTEN).start()
     module = name_to_block["ffn"](args.hidden)
     sample = name_to_input["ffn"](args.max_batch, args.hidden)
-    from plexus.moe import BatchTensorDescriptor
     backend = ModuleBackend(EXPERT_UID, module, args_schema=(BatchTensorDescriptor.from_tensor(sample),),
                             max_batch_size=args.max_batch)
     server = Server(host, {EXPERT_UID: backend})
@@ -119,9 +142,9 @@ async def dialing_host(target: Multiaddr, listen=()) -> Host:
 
 
 async def conn_flood(args) -> None:
-    target, peer = await target_of(args)
+    target, _ = await target_of(args)
     ip, port, _ = parse_host_port(target.without_peer_id())
-    counts = {"sockets": 0, "streams": 0, "closed": 0}
+    counts = {"silent_sockets": 0, "closed_by_victim": 0}
 
     async def silent_socket() -> None:
         while True:
@@ -130,35 +153,32 @@ async def conn_flood(args) -> None:
             except OSError:
                 await asyncio.sleep(0.5)  # the victim refuses for now: try again soon
                 continue
-            counts["sockets"] += 1
+            counts["silent_sockets"] += 1
             await reader.read()  # say nothing; wait until the victim closes it
-            counts["sockets"] -= 1
-            counts["closed"] += 1
+            counts["silent_sockets"] -= 1
+            counts["closed_by_victim"] += 1
             writer.close()
 
-    async def silent_streams(host: Host) -> None:
-        async def one() -> None:
-            while True:
-                try:
-                    stream = await host.new_stream(peer, DHT_PROTOCOL, timeout=10)
-                except Exception:
-                    await asyncio.sleep(0.5)  # refused or reset: try again soon
-                    continue
-                counts["streams"] += 1
-                await stream.read()  # never send the request; wait for the victim to give up on it
-                counts["streams"] -= 1
-                counts["closed"] += 1
+    flood = ConnectionFlood(target, identities=None, protocol=DHT_PROTOCOL)
 
-        await asyncio.gather(*(one() for _ in range(args.streams_per_host)))
+    async def handshaken() -> None:
+        while True:  # keep `flood_connections` held: make more as the victim closes some
+            missing = args.flood_connections - flood.alive
+            if missing > 0:
+                await flood.run(missing)
+            else:
+                await asyncio.sleep(0.5)  # the attacker's pace, not synchronisation
 
-    hosts = [await dialing_host(target) for _ in range(args.stream_hosts)]
     tasks = [asyncio.ensure_future(silent_socket()) for _ in range(args.silent_connections)]
-    tasks += [asyncio.ensure_future(silent_streams(host)) for host in hosts]
+    tasks.append(asyncio.ensure_future(handshaken()))
     await asyncio.sleep(3)  # let the flood build up before reporting it ready
-    say(ready=True, **counts)
-    while True:
+    say(ready=True, **counts, held_streams=flood.alive, refused=flood.refused)
+    while not any(task.done() for task in tasks):
         await asyncio.sleep(1)
-        say(**counts)
+        say(**counts, held_streams=flood.alive, refused=flood.refused)
+    for task in tasks:
+        if task.done():
+            task.result()  # the error that stopped the flood
 
 
 async def ping_flood(args) -> None:
@@ -175,12 +195,13 @@ async def ping_flood(args) -> None:
             sent[0] += 1
 
     hosts = [await dialing_host(target) for _ in range(args.flood_peers)]
-    tasks = [asyncio.ensure_future(pinger(host)) for host in hosts for _ in range(64)]
+    flood = asyncio.ensure_future(asyncio.gather(*(pinger(host) for host in hosts for _ in range(64))))
     await asyncio.sleep(1)
     say(ready=True, pings=sent[0])
-    while True:
+    while not flood.done():
         await asyncio.sleep(1)
         say(pings=sent[0])
+    flood.result()
 
 
 async def store_flood(args, key_of) -> None:
@@ -198,7 +219,6 @@ async def store_flood(args, key_of) -> None:
             request = StoreRequest(None, tuple(StoreItem(*key_of(i), value, expiration) for i in batch))
             try:
                 answer = await rpc.call(host, peer, DHT_PROTOCOL, request.encode(), timeout=30)
-                from plexus.dht.messages import StoreResponse, decode_response
                 stats["accepted"] += sum(decode_response(answer, StoreResponse).results)
             except Exception:
                 stats["failed_requests"] += 1
@@ -212,13 +232,30 @@ async def store_flood(args, key_of) -> None:
         say(done=flood.done(), **stats)
 
 
+def bind_outgoing_sockets(ip: str) -> None:
+    """Make every outgoing IPv4 TCP connection of this process come from `ip`, as if this process
+    ran on a machine of its own (the attacker's; the honest side is untouched)."""
+    original = asyncio.BaseEventLoop.create_connection
+
+    async def create_connection(self, protocol_factory, host=None, port=None, **kwargs):
+        if kwargs.get("sock") is None and kwargs.get("local_addr") is None and host and ":" not in host:
+            kwargs["local_addr"] = (ip, 0)
+        return await original(self, protocol_factory, host, port, **kwargs)
+
+    asyncio.BaseEventLoop.create_connection = create_connection
+
+
 async def sybils(args) -> None:
     target, peer = await target_of(args)
+    listen = LISTEN
+    if args.attack == "sybils-one-address":
+        bind_outgoing_sockets(SYBIL_IP)
+        listen = (f"/ip4/{SYBIL_IP}/tcp/0",)
     nodes, slots = [], asyncio.Semaphore(16)
 
     async def join() -> None:
         async with slots:
-            host = await dialing_host(target, LISTEN)
+            host = await dialing_host(target, listen)
             nodes.append(await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[peer],
                                               cache_refresh_before_expiry=0))
 
@@ -228,15 +265,10 @@ async def sybils(args) -> None:
                              return_exceptions=True)
     say(ready=True, joined=len(nodes))
     while True:
-        await asyncio.sleep(3600)
+        await asyncio.sleep(3600)  # frozen by the benchmark from here on
 
 
 async def moe_flood(args) -> None:
-    import torch
-
-    from plexus.moe import ExpertInfo
-    from plexus.moe.client import expert_forward, get_expert_schema
-
     target, peer = await target_of(args)
     host = await dialing_host(target)
     expert = ExpertInfo(EXPERT_UID, peer)
@@ -249,28 +281,37 @@ async def moe_flood(args) -> None:
             try:
                 await expert_forward(host, expert, schema, inputs, timeout=60)
                 stats["served"] += 1
-            except Exception:
+            except (rpc.RPCError, TimeoutError, ConnectionError):
                 stats["refused"] += 1
                 await asyncio.sleep(0.01)  # the attacker's pace after a refusal
 
-    tasks = [asyncio.ensure_future(flood_one()) for _ in range(200)]
+    flood = asyncio.ensure_future(asyncio.gather(*(flood_one() for _ in range(200))))
     await asyncio.sleep(2)
     say(ready=True, **stats)
-    while True:
+    while not flood.done():
         await asyncio.sleep(1)
         say(**stats)
+    flood.result()
 
 
 def attacker(args):
+    if args.attack in FLOODS and args.attacker_priority == "idle" and hasattr(os, "sched_setscheduler"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # runs only when a CPU would idle
     if args.attack == "key-flood":
         return store_flood(args, lambda i: (DHTID.generate(f"flood-{i}"), None))
     if args.attack == "subkey-stuffing":
         key = DHTID.generate(args.shared_key)
         return store_flood(args, lambda i: (key, MSGPackSerializer.dumps(f"stuffing-{i}")))
-    return {"conn-flood": conn_flood, "ping-flood": ping_flood, "sybils": sybils, "moe-flood": moe_flood}[args.attack](args)
+    if args.attack.startswith("sybils"):
+        return sybils(args)
+    return {"conn-flood": conn_flood, "ping-flood": ping_flood, "moe-flood": moe_flood}[args.attack](args)
 
 
 # --- the honest side (this process) ----------------------------------------------------------------
+
+ROLE_FLAGS = ("hidden", "max_batch", "threads", "sybils", "silent_connections", "flood_connections",
+              "flood_peers", "attacker_priority", "attack")
+
 
 class Role:
     """A role process (victim or attacker) and the JSON lines it says."""
@@ -285,10 +326,11 @@ class Role:
     @classmethod
     async def start(cls, role: str, args, **extra) -> "Role":
         flags = [f"--{name.replace('_', '-')}={value}" for name, value in extra.items()]
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, os.path.abspath(__file__), f"--role={role}", f"--hidden={args.hidden}",
-            f"--max-batch={args.max_batch}", f"--threads={args.threads}", f"--sybils={args.sybils}", *flags,
-            stdout=asyncio.subprocess.PIPE)
+        common = {name: getattr(args, name) for name in ROLE_FLAGS}
+        flags += [f"--{name.replace('_', '-')}={value}" for name, value in common.items()
+                  if name not in extra and value is not None]
+        command = [sys.executable, os.path.abspath(__file__), f"--role={role}", *flags]
+        process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
         return cls(process)
 
     async def _read(self) -> None:
@@ -312,8 +354,17 @@ class Role:
 
 
 class Measured:
+    """What the honest client saw in one window: per operation its latency (ms), success and start
+    time (s into the window); the victim's ping latencies and resident memory (MB) along the way."""
+
     def __init__(self):
-        self.latencies, self.ok, self.pings, self.rss = [], [], [], []
+        self.latencies, self.ok, self.started, self.pings, self.rss = [], [], [], [], []
+        self.opened = time.monotonic()
+
+    def add(self, ms: float, ok: bool, started: float) -> None:
+        self.latencies.append(ms)
+        self.ok.append(ok)
+        self.started.append(started - self.opened)
 
 
 async def timed(coroutine) -> tuple[float, object]:
@@ -341,9 +392,9 @@ async def honest_dht_loop(client: DHTNode, victim_peer, shared_key: str, seconds
              and getattr(found.value.get(me), "value", None) == i),
         ]
         for operation, check in operations:
+            started = time.monotonic()
             ms, found = await timed(operation)
-            measured.latencies.append(ms)
-            measured.ok.append(not isinstance(found, Exception) and check(found))
+            measured.add(ms, not isinstance(found, Exception) and check(found), started)
         ms, answer = await timed(client.call_ping(victim_peer))
         if not isinstance(answer, Exception):
             measured.pings.append(ms)
@@ -352,16 +403,12 @@ async def honest_dht_loop(client: DHTNode, victim_peer, shared_key: str, seconds
 
 
 async def honest_moe_loop(host: Host, expert, schema, seconds: float, args, victim: Role) -> Measured:
-    import torch
-
-    from plexus.moe.client import expert_forward
-
     measured, deadline = Measured(), time.monotonic() + seconds
     inputs = [torch.randn(args.honest_batch, args.hidden)]
     while time.monotonic() < deadline:
+        started = time.monotonic()
         ms, outputs = await timed(expert_forward(host, expert, schema, inputs, timeout=OP_TIMEOUT))
-        measured.latencies.append(ms)
-        measured.ok.append(not isinstance(outputs, Exception) and tuple(outputs[0].shape) == tuple(inputs[0].shape))
+        measured.add(ms, not isinstance(outputs, Exception) and outputs[0].shape == inputs[0].shape, started)
         measured.rss.append(victim.rss_mb())
     return measured
 
@@ -376,7 +423,8 @@ def shared_key_near(victim_id: int, honest_ids: list[int]) -> str:
 
 
 async def run_dht_attack(name: str, args) -> dict:
-    victim = await Role.start("dht-victim", args)
+    victim = await Role.start("dht-victim", args, attack=name)
+    options = node_options(name)
     hosts, nodes = [], []
     try:
         first = await asyncio.wait_for(victim.first, 30)
@@ -384,11 +432,12 @@ async def run_dht_attack(name: str, args) -> dict:
         for _ in range(args.honest - 1):
             host = await dialing_host(target, LISTEN)
             hosts.append(host)
-            nodes.append(await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[target.peer_id]))
+            nodes.append(await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[target.peer_id],
+                                              **options))
         client_host = await dialing_host(target)
         hosts.append(client_host)
         client = await DHTNode.create(rpc=HostDHTTransport(client_host), initial_peers=[target.peer_id],
-                                      client_mode=True)
+                                      client_mode=True, **options)
         nodes.append(client)
         shared = shared_key_near(first["node_id"], [first["node_id"]] + [int(n.node_id) for n in nodes[:-1]])
         round_number = [0]
@@ -398,7 +447,7 @@ async def run_dht_attack(name: str, args) -> dict:
         try:
             ready = await asyncio.wait_for(attacker.ready, 900)
             notes = []
-            if name == "sybils":
+            if name.startswith("sybils"):
                 for node in nodes[:-1]:  # honest lookups meet the Sybils while they still answer
                     await node.find_nearest_nodes([DHTID.generate() for _ in range(4)])
                 table_before = victim.lines[-1][1]["table"]
@@ -406,9 +455,14 @@ async def run_dht_attack(name: str, args) -> dict:
                 frozen_at = time.monotonic()
                 notes.append(f"{ready['joined']} Sybils joined; victim table {table_before} entries "
                              f"({args.honest - 1} honest) at the freeze")
-            attacked = await honest_dht_loop(client, target.peer_id, shared, args.seconds, victim, round_number)
-            if name == "sybils":
+            attacked = await honest_dht_loop(client, target.peer_id, shared, args.seconds, victim,
+                                             round_number)
+            if name.startswith("sybils"):
                 notes.append(table_shrink(victim, frozen_at, args.honest + 10))
+                early = [ms for ms, at in zip(attacked.latencies, attacked.started) if at < FIRST_SECONDS]
+                late = [ms for ms, at in zip(attacked.latencies, attacked.started) if at >= FIRST_SECONDS]
+                notes.append(f"honest p50 {fmt(percentile(early, 50))} ms in the first {FIRST_SECONDS:.0f} s "
+                             f"({len(early)} ops), {fmt(percentile(late, 50))} ms after ({len(late)} ops)")
                 notes.append(f"client table {len(client.routing_table)} at the end")
             else:
                 notes.append(", ".join(f"{key} {value:,}" if isinstance(value, int) else f"{key} {value}"
@@ -427,7 +481,8 @@ async def run_dht_attack(name: str, args) -> dict:
 
 
 def table_shrink(victim: Role, since: float, small: int) -> str:
-    after = [(at - since, fields["table"]) for at, fields in victim.lines if at >= since and "table" in fields]
+    after = [(at - since, fields["table"]) for at, fields in victim.lines
+             if at >= since and "table" in fields]
     if not after:
         return "no table reports after the freeze"
     shrunk = next((at for at, size in after if size <= small), None)
@@ -437,9 +492,6 @@ def table_shrink(victim: Role, since: float, small: int) -> str:
 
 
 async def run_moe_attack(args) -> dict:
-    from plexus.moe import ExpertInfo
-    from plexus.moe.client import get_expert_schema
-
     victim = await Role.start("moe-victim", args)
     host = None
     try:
@@ -484,8 +536,9 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\nhonest operations one at a time, {args.seconds:.0f} s without and {args.seconds:.0f} s with each "
-          f"attack; ms; 127.0.0.1; {args.honest} honest DHT nodes")
+    print(f"\nhonest operations one at a time, {args.seconds:.0f} s without and {args.seconds:.0f} s with "
+          f"each attack; ms; loopback; {args.honest} honest DHT nodes; attackers at {args.attacker_priority} "
+          f"priority")
     print("| attack | p50 without → with | p99 without → with | success without → with | victim ping p50 "
           "without → with | victim MB before → peak | ops | notes |")
     print("|---|---|---|---|---|---|---|---|")
@@ -496,7 +549,8 @@ def print_table(rows: list[dict], args) -> None:
         success = f"{100 * sum(b.ok) / max(len(b.ok), 1):.1f}% → {100 * sum(a.ok) / max(len(a.ok), 1):.1f}%"
         print(f"| {row['attack']} | {fmt(percentile(b.latencies, 50))} → {fmt(percentile(a.latencies, 50))} "
               f"(x{ratio:.1f}) | {fmt(percentile(b.latencies, 99))} → {fmt(percentile(a.latencies, 99))} "
-              f"| {success} | {ping} | {fmt(b.rss[-1] if b.rss else None, 0)} → {fmt(max(a.rss, default=None), 0)} "
+              f"| {success} | {ping} | {fmt(b.rss[-1] if b.rss else None, 0)} → "
+              f"{fmt(max(a.rss, default=None), 0)} "
               f"| {len(b.ok)} / {len(a.ok)} | {row['notes']} |")
 
 
@@ -510,18 +564,24 @@ async def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--attacks", type=lambda text: [a for a in text.split(",") if a], default=list(ATTACKS),
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--attacks", type=lambda text: [a for a in text.split(",") if a],
+                        default=list(ATTACKS),
                         help=f"comma-separated, of {', '.join(ATTACKS)}")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each measured window")
     parser.add_argument("--honest", type=int, default=8, help="honest DHT nodes, the victim included")
     parser.add_argument("--sybils", type=int, default=200)
-    parser.add_argument("--silent-connections", type=int, default=500)
-    parser.add_argument("--stream-hosts", type=int, default=20)
-    parser.add_argument("--streams-per-host", type=int, default=100)
-    parser.add_argument("--flood-peers", type=int, default=4)
+    parser.add_argument("--silent-connections", type=int, default=500,
+                        help="conn-flood: sockets that never speak")
+    parser.add_argument("--flood-connections", type=int, default=500,
+                        help="conn-flood: handshaken connections, each holding a silent DHT stream")
+    parser.add_argument("--flood-peers", type=int, default=4, help="ping-flood: peers pinging")
+    parser.add_argument("--attacker-priority", choices=("idle", "normal"), default="idle",
+                        help="CPU priority of the flooding attackers (idle: SCHED_IDLE)")
     parser.add_argument("--hidden", type=int, default=256, help="ffn expert width")
-    parser.add_argument("--max-batch", type=int, default=256, help="the expert's max_batch_size: the flood's rows")
+    parser.add_argument("--max-batch", type=int, default=256,
+                        help="the expert's max_batch_size: the flood's rows")
     parser.add_argument("--honest-batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the expert server")
     parser.add_argument("--seed", type=int, default=0)
@@ -531,8 +591,8 @@ def main() -> None:
     parser.add_argument("--shared-key", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     random.seed(args.seed)
-    soft, hard = __import__("resource").getrlimit(__import__("resource").RLIMIT_NOFILE)
-    __import__("resource").setrlimit(__import__("resource").RLIMIT_NOFILE, (hard, hard))
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a flood holds thousands of sockets
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if args.role == "dht-victim":
         asyncio.run(dht_victim(args))
     elif args.role == "moe-victim":

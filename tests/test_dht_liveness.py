@@ -21,7 +21,8 @@ PEERS = [PrivateKey.from_seed(bytes([i]) * 32).peer_id for i in range(1, 40)]
 def test_hand_out_checks_pick_stale_entries_once_per_period_within_the_budget():
     checker = LivenessChecker(LivenessOptions(stale_after=10.0, checks_per_second=1.0, check_burst=3))
     entries = [(DHTID(i), PEERS[i]) for i in range(6)]
-    seen = {DHTID(0): 96.0, DHTID(1): 50.0, DHTID(2): 40.0, DHTID(3): 30.0, DHTID(4): 20.0}  # 5: not in the table
+    # when each entry was last heard from; entry 5 is not in the table
+    seen = {DHTID(0): 96.0, DHTID(1): 50.0, DHTID(2): 40.0, DHTID(3): 30.0, DHTID(4): 20.0}
     due = checker.to_check(entries, seen.get, now=100.0)
     assert due == entries[1:4]  # fresh and unknown ones skipped; the burst of 3 spent
     assert checker.to_check(entries, seen.get, now=100.5) == []  # no budget left
@@ -77,9 +78,11 @@ def test_a_silent_entry_named_in_an_answer_is_checked_and_evicted(checks):
         assert frozen.peer_id in hub.routing_table
         clock.advance(11.0)  # nothing heard from any entry for longer than stale_after
         asker = network.create_transport()  # a client: asks the hub for the peers nearest the frozen one
-        response = FindResponse.decode(await asker.call(hub.peer_id, FindRequest(None, (frozen.node_id,)).encode(), 1))
+        request = FindRequest(None, (frozen.node_id,)).encode()
+        response = FindResponse.decode(await asker.call(hub.peer_id, request, 1))
         assert frozen.node_id in [node_id for node_id, _ in response.results[0].nearest]  # named anyway
-        evicted = await wait_for(lambda: frozen.peer_id not in hub.routing_table, timeout=3 if checks else 1.5)
+        evicted = await wait_for(lambda: frozen.peer_id not in hub.routing_table,
+                                 timeout=3 if checks else 1.5)
         assert evicted == checks
         assert all(node.peer_id in hub.routing_table for node in others[1:])
         await asyncio.gather(*(node.shutdown() for node in [hub, *others]))

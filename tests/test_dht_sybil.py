@@ -74,7 +74,8 @@ def test_table_bounds_entries_per_network_per_bucket_and_in_all():
 
 def test_a_replacement_is_promoted_only_while_its_network_has_room():
     options = DiversityOptions(max_per_bucket=2, max_per_table=1)
-    table = RoutingTable(DHTID(0), bucket_size=1, depth_modulo=1, diversity=options)  # far buckets never split
+    # depth % 1 == 0: far buckets never split
+    table = RoutingTable(DHTID(0), bucket_size=1, depth_modulo=1, diversity=options)
     far = [DHTID(2**159 + i) for i in range(3)]
     assert table.add_or_update_node(far[0], PEERS[0], 0, ip="10.0.0.1") is None
     assert table.add_or_update_node(far[1], PEERS[1], 1, ip="10.0.0.2") == (far[0], PEERS[0])

@@ -154,8 +154,8 @@ class Slow(torch.nn.Module):
 def server():
     loop = get_background_loop()
     host = loop.run(Host(host_maddrs=LOCAL).start(), 10)
-    backend = ModuleBackend("slow.0", Slow(), args_schema=(BatchTensorDescriptor((HIDDEN,), requires_grad=True),),
-                            max_batch_size=8)
+    schema = (BatchTensorDescriptor((HIDDEN,), requires_grad=True),)
+    backend = ModuleBackend("slow.0", Slow(), args_schema=schema, max_batch_size=8)
     with Server(host, {"slow.0": backend}, max_requests_per_peer=16) as running:
         yield running
     loop.run(host.shutdown(), 10)
@@ -192,7 +192,8 @@ def test_a_flood_from_one_peer_is_bounded_and_others_are_served_meanwhile(server
             await asyncio.sleep(0.005)  # polling with a deadline (the test's timeout) for the flood
         answers = []
         for _ in range(5):
-            outputs = await expert_forward(honest, expert, schema, [torch.full((1, HIDDEN), MARK)], timeout=30)
+            marked = [torch.full((1, HIDDEN), MARK)]
+            outputs = await expert_forward(honest, expert, schema, marked, timeout=30)
             started, waiting = queued[-1]
             ran = next(index for index in range(started, len(slow.marked)) if slow.marked[index])
             answers.append((outputs[0].shape, waiting, ran - started))
@@ -221,7 +222,8 @@ def test_a_flood_from_one_peer_is_bounded_and_others_are_served_meanwhile(server
         assert server.handler._under_way == {}  # every admitted call was let go again
         assert "max_requests_per_peer=16" in caplog.text  # logged (once a minute per peer)
         # the flood is over: the flooder is served again
-        assert loop.run(expert_forward(flooder, expert, schema, [torch.randn(2, HIDDEN)]), 20)[0].shape == (2, HIDDEN)
+        again = loop.run(expert_forward(flooder, expert, schema, [torch.randn(2, HIDDEN)]), 20)
+        assert again[0].shape == (2, HIDDEN)
     finally:
         pool.submit_task = submit
         for host in (flooder, honest):
@@ -245,7 +247,8 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
         async def requests():
             for message in messages:
                 yield message
-        return [r async for r in rpc.call_stream(client, peer, protocol, requests(), ExpertResponse, timeout=10)]
+        responses = rpc.call_stream(client, peer, protocol, requests(), ExpertResponse, timeout=10)
+        return [response async for response in responses]
 
     header, *rest = chunks(torch.randn(2, HIDDEN))
     cases = [
@@ -253,11 +256,13 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
         ([ExpertRequest("slow.9", good)], "no expert 'slow.9'"),
         ([ExpertRequest("slow.0", [b"\x96\xc4\x01x"])], "malformed tensor stream"),
         ([ExpertRequest("slow.0", chunks(torch.randn(9, HIDDEN)))], "more than max_batch_size=8"),
-        ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN).double()))], "dtype float64, expected float32"),
+        ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN).double()))],
+         "dtype float64, expected float32"),
         ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN + 1)))], r"input 0 has shape \(2, 5\)"),
         ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN)) * 3)], f"takes {expected} tensors"),
         ([ExpertRequest("slow.0", good[:1])], "malformed tensor stream"),  # a header whose data never comes
-        ([ExpertRequest("slow.0", [header, *rest, *rest])], "malformed tensor stream"),  # more data than declared
+        # more data than the header declared
+        ([ExpertRequest("slow.0", [header, *rest, *rest])], "malformed tensor stream"),
         ([ExpertRequest("slow.0", good[:3]), ExpertRequest("slow.1", good[3:])], "switched to 'slow.1'"),
     ]
     if backward:
@@ -265,7 +270,8 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
             ([ExpertRequest("slow.0", chunks(x))], "takes 2 tensors for backward, got 1"),
             ([ExpertRequest("slow.0", [*chunks(x), *chunks(torch.randn(3, HIDDEN))])],
              "output gradient 0 has 3 rows, but the first tensor has 2"),
-            ([ExpertRequest("slow.0", [*chunks(x), *chunks(grad.to(torch.int64))])], "output gradient 0 has dtype int64"),
+            ([ExpertRequest("slow.0", [*chunks(x), *chunks(grad.to(torch.int64))])],
+             "output gradient 0 has dtype int64"),
         ]
     expert = ExpertInfo("slow.0", peer)
     schema = server.module_backends["slow.0"].schema

@@ -55,11 +55,12 @@ class LivenessOptions:
         if self.stale_after is not None and self.stale_after <= 0:
             raise ValueError(f"LivenessOptions.stale_after must be None or positive, got {self.stale_after}")
         if self.sweep_interval is not None and self.sweep_interval < 0:
-            raise ValueError(f"LivenessOptions.sweep_interval must be None or >= 0, got {self.sweep_interval}")
+            raise ValueError(f"LivenessOptions.sweep_interval must be None or >= 0, got "
+                             f"{self.sweep_interval}")
         if self.checks_per_second <= 0 or self.check_burst < 1 or self.sweep_concurrency < 1:
             raise ValueError("LivenessOptions: checks_per_second must be positive, check_burst and "
-                             f"sweep_concurrency at least 1 (got {self.checks_per_second}, {self.check_burst}, "
-                             f"{self.sweep_concurrency})")
+                             f"sweep_concurrency at least 1 (got {self.checks_per_second}, "
+                             f"{self.check_burst}, {self.sweep_concurrency})")
 
 
 class LivenessChecker:
@@ -74,7 +75,8 @@ class LivenessChecker:
     def _take_token(self, now: float) -> bool:
         if self._refilled_at is not None:
             elapsed = max(0.0, now - self._refilled_at)
-            self._tokens = min(float(self.options.check_burst), self._tokens + elapsed * self.options.checks_per_second)
+            refilled = self._tokens + elapsed * self.options.checks_per_second
+            self._tokens = min(float(self.options.check_burst), refilled)
         self._refilled_at = now
         if self._tokens < 1:
             return False
@@ -91,7 +93,8 @@ class LivenessChecker:
         for node_id, peer_id in handed_out:
             seen = last_seen(node_id)
             checked = self._checked.get(node_id)
-            if seen is None or now - seen < stale_after or (checked is not None and now - checked < stale_after):
+            recently_checked = checked is not None and now - checked < stale_after
+            if seen is None or now - seen < stale_after or recently_checked:
                 continue
             if not self._take_token(now):
                 break

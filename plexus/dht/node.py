@@ -403,7 +403,8 @@ class DHTNode(StoreAndGet):
             wanted = count
             while True:
                 nearest = self.routing_table.get_nearest_neighbors(query, wanted, exclude=self.node_id)
-                askable = [(node_id, peer_id) for node_id, peer_id in nearest if self._askable(peer_id, now, loop_now)]
+                askable = [(node_id, peer_id) for node_id, peer_id in nearest
+                           if self._askable(peer_id, now, loop_now)]
                 if len(askable) >= count or len(nearest) < wanted:
                     break
                 wanted *= 2
@@ -453,7 +454,8 @@ class DHTNode(StoreAndGet):
                         neighbours[query] = [
                             (node_id, peer_id)
                             for node_id, peer_id in result.nearest
-                            if node_id != self.node_id and not (check and not self._askable(peer_id, now, loop_now))
+                            if node_id != self.node_id
+                            and not (check and not self._askable(peer_id, now, loop_now))
                         ]
                         if on_result is not None:
                             on_result(request, query, self.protocol.filter_found(query, result, now))

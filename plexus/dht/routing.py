@@ -13,8 +13,9 @@ With `diversity` set, each peer also counts against the group of its IP address 
 a peer whose group already holds its share of the peers at its distance (those with as long a
 common prefix with our id: one k-bucket of a fully split table, entries and replacements
 together) or of the whole table is refused, and a replacement is promoted only while its group
-has room in the table.
-A peer's group is judged when it is admitted, from the address the caller passes.
+has room in the table. A peer's group is judged when it is admitted, from the address the caller
+passes. Each entry and replacement also keeps when it last showed it was alive (`last_seen`,
+`not_seen_since`), for the node's liveness checks.
 
 The DHT id is separate from the libp2p PeerID; the table maps one to the other both ways.
 """
@@ -84,7 +85,8 @@ class KBucket:
     def has_in_range(self, node_id: int) -> bool:
         return self.lower <= node_id < self.upper
 
-    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float, group: str | None = None) -> bool:
+    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float,
+                           group: str | None = None) -> bool:
         """Move the peer to the most-recently-seen end; False when the bucket is full (kept as replacement).
         `group` is the peer's diversity group, recorded when the peer is new to this bucket."""
         self.last_updated = now
@@ -104,7 +106,6 @@ class KBucket:
             self.groups.pop(oldest, None)
             self.seen.pop(oldest, None)
         return False
-
 
     def least_recently_seen(self) -> tuple[DHTID, PeerID]:
         node_id = next(iter(self.nodes))
@@ -159,7 +160,8 @@ class RoutingTable:
         self.buckets = [KBucket(DHTID.MIN, DHTID.MAX, bucket_size)]
         self.uid_to_peer_id: dict[DHTID, PeerID] = {}
         self.peer_id_to_uid: dict[PeerID, DHTID] = {}
-        self.group_sizes: collections.Counter[str] = collections.Counter()  # entries (not replacements) per group
+        # entries (not replacements) per diversity group
+        self.group_sizes: collections.Counter[str] = collections.Counter()
 
     def get_bucket_index(self, node_id: int) -> int:
         lo, hi = 0, len(self.buckets)  # buckets are sorted and contiguous: binary search
@@ -185,7 +187,8 @@ class RoutingTable:
             return None
         limit = self.diversity.max_per_table
         if limit is not None and self.group_sizes[group] >= limit:
-            return f"{group} already has {self.group_sizes[group]} routing-table entries (max_per_table={limit})"
+            return (f"{group} already has {self.group_sizes[group]} routing-table entries "
+                    f"(max_per_table={limit})")
         limit = self.diversity.max_per_bucket
         if limit is not None and (count := self.count_at_distance(group, node_id)) >= limit:
             return f"{group} already has {count} peers at that distance (max_per_bucket={limit})"
@@ -216,7 +219,8 @@ class RoutingTable:
             self.remove(old_uid)  # the peer restarted with a new DHT id
         return self._add(node_id, peer_id, now, group)
 
-    def _add(self, node_id: DHTID, peer_id: PeerID, now: float, group: str | None) -> tuple[DHTID, PeerID] | None:
+    def _add(self, node_id: DHTID, peer_id: PeerID, now: float,
+             group: str | None) -> tuple[DHTID, PeerID] | None:
         index = self.get_bucket_index(node_id)
         bucket = self.buckets[index]
         if bucket.add_or_update_node(node_id, peer_id, now, group):
@@ -284,7 +288,8 @@ class RoutingTable:
         return [(node_id, self.uid_to_peer_id[node_id]) for _, node_id in nearest]
 
     def last_seen(self, node_id: DHTID) -> float | None:
-        """When the entry last showed it was alive (an answer or a request of its own), if it is in."""
+        """When the entry or replacement last showed it was alive (an answer or a request of its
+        own); None if it is in neither list."""
         return self.buckets[self.get_bucket_index(node_id)].seen.get(node_id)
 
     def not_seen_since(self, moment: float) -> list[tuple[DHTID, PeerID]]:

@@ -31,7 +31,8 @@ a failure still excludes the peer. The limit starts at
 follows this lookup's own answers: STRAGGLER_FACTOR times their 90th percentile duration, at least
 `min_straggler_timeout`, so a stale guess is corrected within the first round trip. At most
 `max_stragglers` may be outstanding (abandoned ones included), which bounds how far a lookup can
-outgrow `num_workers` when every peer is slow. Time is only ever a parameter here: nothing reads a clock or the network.
+outgrow `num_workers` when every peer is slow. Time is only ever a parameter here: nothing reads
+a clock or the network.
 """
 
 import dataclasses

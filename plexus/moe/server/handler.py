@@ -106,8 +106,8 @@ class ConnectionHandler:
         count = self._under_way.get(peer, 0)
         if count >= self.max_requests_per_peer:
             self._refusals.warning(("expert requests per peer", peer),
-                                   f"refused a {context.protocol} call from {peer}: it has {count} calls under way "
-                                   f"(max_requests_per_peer={self.max_requests_per_peer})")
+                                   f"refused a {context.protocol} call from {peer}: it has {count} calls "
+                                   f"under way (max_requests_per_peer={self.max_requests_per_peer})")
             raise ExpertRequestError(f"too many calls from you under way ({count}, the server's "
                                      f"max_requests_per_peer); wait for some to finish")
         self._under_way[peer] = count + 1
@@ -210,7 +210,8 @@ class ConnectionHandler:
         batch_size = [None]
 
         def check_header(index: int, header: SerializedTensor) -> None:
-            batch_size[0] = self._check_one(backend, backward, index, header.size, header.dtype, batch_size[0])
+            batch_size[0] = self._check_one(backend, backward, index, header.size, header.dtype,
+                                            batch_size[0])
 
         try:
             decoded = deserialize_unary(tensors, check_header)

@@ -110,8 +110,8 @@ class TaskPool:
             if self._closed_reason is not None:
                 raise TaskRejected(f"{self.name}: {self._closed_reason}")
             if self._pending >= self.max_pending_tasks:
-                raise TaskRejected(f"{self.name} is overloaded ({self._pending} requests waiting); retry later "
-                                   f"or use another expert")
+                raise TaskRejected(f"{self.name} is overloaded ({self._pending} requests waiting); "
+                                   f"retry later or use another expert")
             self._queues.setdefault(owner, deque()).append(Task(inputs, size, future, self.clock(), owner))
             self._pending += 1
             self._rows += size
@@ -202,7 +202,7 @@ def _resolve(task: Task, result=None, error: BaseException | None = None) -> Non
 
 
 class Runtime:
-    """Runs every pool's work on one compute thread, the least-served owner first (see the module docstring)."""
+    """Runs every pool's work on one compute thread, the least-served owner first (module docstring)."""
 
     def __init__(self, pools: Sequence[TaskPool], *, clock: Callable[[], float] = time.monotonic):
         self.pools = list(pools)
@@ -216,7 +216,8 @@ class Runtime:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.batches_processed = 0
-        self._served: dict[Hashable, float] = {}  # compute seconds per owner with tasks waiting (thread-local)
+        # compute seconds per owner with tasks waiting; touched by the compute thread only
+        self._served: dict[Hashable, float] = {}
 
     @classmethod
     def from_backends(cls, module_backends: dict, **kwargs) -> "Runtime":

@@ -264,8 +264,8 @@ class Server:
                                       torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
                                       compression)
             server = cls(host if dht is None else dht, backends, update_period=update_period,
-                         expiration=expiration, checkpoint_dir=checkpoint_dir, request_timeout=request_timeout,
-                         max_requests_per_peer=max_requests_per_peer)
+                         expiration=expiration, checkpoint_dir=checkpoint_dir,
+                         request_timeout=request_timeout, max_requests_per_peer=max_requests_per_peer)
             server._owns_dht = owns_dht
             if start:
                 server.start()

@@ -8,6 +8,8 @@ PLEXUS_LOGLEVEL (default INFO).
 import logging
 import os
 import sys
+import time
+from collections import OrderedDict
 
 _ROOT = "plexus"
 
@@ -25,6 +27,32 @@ class _Formatter(logging.Formatter):
 
 def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
+
+
+class RateLimitedLog:
+    """Log each distinct event once per `interval` seconds (e.g. a peer's rejected record), so a
+    flooding peer cannot flood the log too. Remembers at most `max_events` recent events."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0, max_events: int = 1024,
+                 clock=time.monotonic):
+        self.logger, self.interval, self.max_events, self.clock = logger, interval, max_events, clock
+        self._last: OrderedDict = OrderedDict()
+
+    def log(self, level: int, event, message: str) -> bool:
+        """Log `message` unless `event` was logged less than `interval` ago; True if logged."""
+        now = self.clock()
+        last = self._last.get(event)
+        if last is not None and now - last < self.interval:
+            return False
+        self._last[event] = now
+        self._last.move_to_end(event)
+        while len(self._last) > self.max_events:
+            self._last.popitem(last=False)
+        self.logger.log(level, message)
+        return True
+
+    def warning(self, event, message: str) -> bool:
+        return self.log(logging.WARNING, event, message)
 
 
 def use_plexus_log_handler(level: str | None = None, stream=None) -> None:

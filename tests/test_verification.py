@@ -11,6 +11,7 @@ from plexus.averaging.aggregation import RobustAggregation
 from plexus.averaging.centered_clip import centered_clip
 from plexus.averaging.messages import VerifyReport
 from plexus.averaging.verification import (
+    PartPrecision,
     Verifier,
     decode_report,
     direction,
@@ -34,18 +35,19 @@ def members(n=4, numel=256, seed=0, outlier=None):
 
 
 def judge(values, result, radius, weights=None, *, dtype=torch.float32, compression=CompressionType.NONE,
-          given=None, radii=None, expected=None, skip=(), seed=None):
+          given=None, radii=None, expected=None, skip=(), seed=None, applied_by=None):
     """Every member reports on span 1 (its one part) to a verifier; returns the verdict's bad parts."""
     n = values.shape[0]
     weights = weights if weights is not None else [1.0] * n
     seed = seed or os.urandom(32)  # tests that count misses pass fixed seeds: the counts are then exact
     z = direction(seed, 1, 0, values.shape[1])
-    verifier = Verifier(0, NUM_PARTS, expected or dict(enumerate(weights)), OPTIONS)
+    precision = PartPrecision.of(dtype, compression)
+    verifier = Verifier(0, NUM_PARTS, expected or dict(enumerate(weights)), OPTIONS, lambda span, part: precision)
     for i in range(n):
         if i in skip:
             continue
-        applied = result.to(dtype) if radius else values[i]
-        row = part_row(values[i].to(dtype), applied, (radii or {}).get(i, radius), compression, z) if radius \
+        applied = (applied_by or {}).get(i, result).to(dtype) if radius else values[i]
+        row = part_row(values[i].to(dtype), applied, (radii or {}).get(i, radius), z) if radius \
             else (0.0, 0.0, 0.0, 0.0)
         weight = (given or {}).get(i, weights[i])
         verifier.add(i, encode_report([0.0, weight], [[], [row]]))
@@ -93,6 +95,35 @@ def test_a_wrong_result_fails(error):
     assert caught >= 19
 
 
+def test_a_result_wrong_for_one_member_only_fails():
+    """A reducer that sends one member a different result than the others (equivocation)."""
+    values = members()
+    result = centered_clip(values, torch.ones(4))
+    caught = 0
+    for trial in range(10):
+        wrong = result.center + torch.randn(256, generator=torch.Generator().manual_seed(trial)) / 16
+        caught += judge(values, result.center, result.radius, applied_by={2: wrong}, seed=bytes([trial]) * 32)[0] == [0]
+    assert caught == 10
+
+
+def test_a_member_cannot_widen_the_bound_for_a_colluding_reducer():
+    """Uncertainties are the verifier's own: a member reporting huge norms or distances for itself
+    (one far member, its distance capped at the radius) does not let a wrong result through."""
+    values = members()
+    result = centered_clip(values, torch.ones(4))
+    wrong = result.center + 1.0 * torch.randn(256, generator=torch.Generator().manual_seed(1)) / 16
+    seed = bytes(32)
+    z = direction(seed, 1, 0, 256)
+    precision = PartPrecision.of(torch.float32, CompressionType.NONE)
+    verifier = Verifier(0, NUM_PARTS, dict.fromkeys(range(4), 1.0), OPTIONS, lambda span, part: precision)
+    for i in range(4):
+        row = part_row(values[i], wrong, result.radius, z)
+        if i == 3:
+            row = (row[0], 1e30, 1e30, row[3])  # the colluder's claims
+        verifier.add(i, encode_report([0.0, 1.0], [[], [row]]))
+    assert verifier.verdict().bad_parts[1] == [0]
+
+
 def test_radii_weights_and_missing_reports():
     values = members(outlier=torch.full((256,), 50.0))
     result = centered_clip(values, torch.ones(4))
@@ -105,7 +136,8 @@ def test_radii_weights_and_missing_reports():
     assert bad == [0] and "gave sender 1 weight 5.0" in reason
     bad, reason = judge(values, result.center, result.radius, expected={0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0})
     assert bad == [0] and "no report from sender(s) [4]" in reason
-    verifier = Verifier(0, NUM_PARTS, {0: 1.0}, OPTIONS)  # the reducer excluded it: no part, no weight
+    verifier = Verifier(0, NUM_PARTS, {0: 1.0}, OPTIONS, lambda span, part: PartPrecision.of(torch.float32, 0))
+    # the reducer excluded it: no part, no weight
     verifier.add(0, encode_report([1.0, 0.0], [[], []]))
     assert verifier.verdict().bad_parts == [None, []]
 
@@ -133,11 +165,12 @@ def test_a_fixed_radius_must_be_the_configured_one():
 
 def test_keep_answers():
     values = members()
-    verifier = Verifier(0, NUM_PARTS, {0: 0.0, 1: 0.0}, OPTIONS)
+    verifier = Verifier(0, NUM_PARTS, {0: 0.0, 1: 0.0}, OPTIONS, lambda span, part: PartPrecision.of(torch.float32, 0))
     for i in (0, 1):
         verifier.add(i, encode_report([0.0, 0.0], [[], [(0.0, 0.0, 0.0, 0.0)]]))
     assert verifier.verdict().bad_parts == [None, []]
     assert judge(values, values[0], 0.0)[0] == [0], "KEEP although the members had weight"
+    assert judge(values[:2], values[0], 0.0)[0] == [], "KEEP is right below min_contributors"
 
 
 def test_reports_are_checked_against_the_group():

@@ -15,7 +15,8 @@ receives nothing, its tensors are left alone).
 
 Weights: a reducer reads no part before every live sender has opened its stream (or was excluded),
 then bounds each stated weight (`aggregation.bounded_weights`: a caller's per-peer limit, and
-`max_weight_ratio` x the group's lower-median weight), the same way on every reducer.
+`max_weight_ratio` x the group's lower-median weight), the same way on every reducer; in robust
+mode every member of positive weight counts once.
 
 Reduction: `acc += w * x` in float32 (float64 for float64 tensors), then `average = acc / sum(w)`
 over the senders that contributed *that* part; or, with `robust`, the CenteredClip of their
@@ -89,18 +90,13 @@ from .messages import (
     VerifyReport,
     VerifySeed,
     VerifyVerdict,
+    base_method,
     decode_tensor,
     encode_tensor,
 )
 from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_from_fractions
 from .reducer import SenderExcluded, SpanReducer, log_peer_fault
-from .verification import (
-    PART_FIELDS,
-    direction,
-    discarded_parts,
-    encode_report,
-    part_row,
-)
+from .verification import PART_FIELDS, PartPrecision, direction, discarded_parts, encode_report, part_row
 
 logger = get_logger(__name__)
 
@@ -178,7 +174,7 @@ class AllReduceRunner:
         weight_limits: the most weight each peer may carry (e.g. what its progress record
             justifies); peers not named are bounded only by `max_weight_ratio`.
         max_weight_ratio: no weight counts for more than this many times the group's lower-median
-            positive weight (in robust mode, at most `robust.max_weight_ratio` times).
+            positive weight. Robust rounds ignore both: every member of positive weight counts once.
 
     A reducing runner (NODE or AUX with a non-empty span) must be registered with the host's
     `AllReduceRouter` before `run()`, so that senders' streams reach it.
@@ -225,7 +221,7 @@ class AllReduceRunner:
         if self.verifying and averaging_alpha != 1.0:
             raise AllReduceError(f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): members "
                                  "check the result they applied against what they sent")
-        self.max_weight_ratio = min(max_weight_ratio, robust.max_weight_ratio) if robust else max_weight_ratio
+        self.max_weight_ratio = max_weight_ratio
         self.weight_limits = {peers.index(p): float(limit) for p, limit in (weight_limits or {}).items() if p in peers}
         self.protocol = allreduce_protocol(protocol_prefix)
         self._results_copy = None  # verifying in place: (tensors, where the results wait for the verdicts)
@@ -248,8 +244,8 @@ class AllReduceRunner:
         self._answers_in = asyncio.Event()  # every answer this peer waits for is in, its own span's too
         self._applied = [0] * len(peers)  # per span: how many of its first parts have their result in place
         self._exchanges_left = 0
-        # verification: per span, (radius, answer compression) of each applied part and the weight we got
-        self._answered: list[list[tuple[float, int]]] = [[] for _ in peers]
+        # verification: per span, the radius of each applied part (0: KEEP), and the weight we were given
+        self._answered: list[list[float]] = [[] for _ in peers]
         self._weight_given: list[float] = [0.0] * len(peers)
         self._reports: dict[int, asyncio.Future] = {}  # span -> our report for its reducer (None: none)
         self._verdicts: dict[int, list] = {}  # verifier -> its bad parts per span
@@ -429,8 +425,7 @@ class AllReduceRunner:
             return
         if header.index == 0:
             self._weight_given[j] = header.weight or 0.0
-        radius = 0.0 if header.kind == AnswerKind.KEEP else header.radius
-        self._answered[j].append((radius, header.compression))
+        self._answered[j].append(0.0 if header.kind == AnswerKind.KEEP else header.radius)
 
     def _apply_answer(self, part: Part, header: AnswerHeader, chunks: Optional[list]) -> None:
         if header.kind == AnswerKind.KEEP:
@@ -482,16 +477,22 @@ class AllReduceRunner:
             own = self.reducer.weights if j == self.me and self.reducer is not None else None
             weights.append(own.get(self.me, 0.0) if own else self._weight_given[j])
             span_rows = []
-            for index, (radius, compression) in enumerate(self._answered[j][: self._applied[j]]):
+            for index, radius in enumerate(self._answered[j][: self._applied[j]]):
                 if radius == 0:
                     span_rows.append((0.0, 0.0, 0.0, 0.0))
                     continue
                 part = self.partition.part(j, index)
                 sent = self.outgoing(part, self.partition.view(part))
-                span_rows.append(part_row(sent, self.partition.output(part), radius, compression,
+                span_rows.append(part_row(sent, self.partition.output(part), radius,
                                           direction(seed, j, index, part.numel)))
             rows.append(span_rows)
         return encode_report(weights, rows)
+
+    def part_precision(self, span: int, index: int) -> PartPrecision:
+        """How exactly members can reproduce part `index` of `span` (its dtype and wire compression)."""
+        part = self.partition.part(span, index)
+        method = base_method(self.compression, self.partition.compression_info(part))
+        return PartPrecision.of(self.partition.dtype(part), method.compression_type)
 
     # --- reducer side ---------------------------------------------------------------------------------
 

@@ -152,7 +152,8 @@ class VerifyVerdict(Message):
 # --- buffers ---------------------------------------------------------------------------------------
 
 
-def _base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
+def base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
+    """The method that actually encodes a tensor of `info` (adaptive wrappers resolved)."""
     while isinstance(compression, AdaptiveCompressionBase):
         compression = compression.choose_compression(info)
     return compression
@@ -161,7 +162,7 @@ def _base_method(compression: CompressionBase, info: CompressionInfo) -> Compres
 def encode_tensor(tensor: torch.Tensor, info: CompressionInfo, compression: CompressionBase):
     """(dtype name, compression type, buffer) for a 1-D tensor; uncompressed data is a zero-copy
     view of the tensor's memory (valid until the tensor is written to)."""
-    method = _base_method(compression, info)
+    method = base_method(compression, info)
     if isinstance(method, NoCompression):
         return dtype_name(tensor.dtype), int(CompressionType.NONE), tensor_bytes_view(tensor.detach().cpu())
     serialized = method.compress(tensor, info)

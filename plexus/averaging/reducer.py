@@ -28,7 +28,7 @@ from ..compression.wire import dtype_name
 from ..p2p import rpc
 from ..p2p.messages import MessageError
 from ..utils.logging import RateLimitedLog, get_logger
-from .aggregation import ClippedPart, MeanPart, bounded_weights
+from .aggregation import ClippedPart, MeanPart, bounded_weights, equal_weights
 from .messages import (
     AnswerHeader,
     AnswerKind,
@@ -147,6 +147,10 @@ class SpanReducer:
     def settle_weights(self) -> None:
         """Every live sender stated its weight: bound them all (see aggregation.bounded_weights)."""
         declared = {s: w for s, w in self.declared.items() if s in self.core.live}
+        if self.round.robust is not None:
+            self.weights = equal_weights(declared)
+            self._notify()
+            return
         self.weights = bounded_weights(declared, self.round.weight_limits, self.round.max_weight_ratio)
         for sender, weight in self.weights.items():
             if weight < declared[sender] and sender != self.me:
@@ -235,7 +239,7 @@ class SpanReducer:
         if target is not None:
             self.round._applied[self.me] = index + 1  # in place by the end of this call, or kept
             if self.round.verifying:
-                self.round._answered[self.me].append((radius or 0.0, int(CompressionType.NONE)))
+                self.round._answered[self.me].append(radius or 0.0)
         if average is None:
             keep = AnswerHeader(index, AnswerKind.KEEP, part.numel, dtype_name(dtype), 0).encode()
             for sender in recipients:
@@ -283,7 +287,7 @@ class SpanReducer:
             expected[self.me] = self.weights[self.me]
         seed = os.urandom(SEED_BYTES)
         self.verifier = Verifier(self.me, [self.partition.num_parts(j) for j in range(len(self.peers))],
-                                  expected, self.round.robust)
+                                  expected, self.round.robust, self.round.part_precision)
         for sender in due:
             self.channels[sender].push((VerifySeed(seed).encode(), None))
         if self.me in expected:

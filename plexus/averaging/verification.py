@@ -19,16 +19,19 @@ answered. This is the check of BTARD ("Secure Distributed Training at Scale", Go
    round was already received by then.
 2. Each sender computes, for every part of every span it received, with z drawn from the seed
    (`direction`): the projection s_i = <clip(x_i - y_i, tau), z> / tau, where y_i is the result
-   it applied; the distance ||x_i - y_i||; an uncertainty u_i (its rounding and compression
-   error over tau, below); and the radius tau the reducer announced. With the weight the reducer
-   said it gave it, these go back to the verifier (`VerifyReport`, 32 bytes per part).
+   it applied; the distance d_i = ||x_i - y_i||; the norm ||y_i||; and the radius tau the reducer
+   announced. With the weight the reducer said it gave it, these go back to the verifier
+   (`VerifyReport`, 32 bytes per part).
 3. The verifier (`Verifier`) judges each part of every span but its own: the weighted projections
-   must sum to 0 within `DETECTION_SIGMAS` x (total weight x tolerance + sum_i w_i u_i) (the
-   reducer's own convergence residual plus what each member's rounding can add; a projection on a
-   random Gaussian z of an error e is N(0, ||e||^2)); every member must report the same radius; the
+   must sum to 0 within `DETECTION_SIGMAS` x (total weight x tolerance + sum_i w_i u_i): the
+   reducer's own convergence residual plus what each member's rounding and compression can add (a
+   projection on a random Gaussian z of an error e is N(0, ||e||^2)). The verifier computes u_i
+   itself (`uncertainty`), from the part's dtype and wire compression, the median reported ||y||
+   and min(d_i, tau), so a member cannot widen the bound by claiming large errors or norms. Every
+   member must report the same radius; the
    radius must be the configured one, or for the adaptive radius at most `RADIUS_SLACK` x
    radius_factor x the median reported distance; and the weight the reducer gave each member must
-   be within a factor `WEIGHT_SLACK` of the verifier's own bound for it. It sends the indices of
+   be the one the verifier gives it too (robust rounds count every member once). It sends the indices of
    the parts that failed back to every sender (`VerifyVerdict`).
 4. A sender discards a part (keeps its local values there) when more than half of the verifiers
    that judged it say it failed (`discarded_parts`); its own judgement counts as one vote.
@@ -53,8 +56,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,10 +69,9 @@ from .centered_clip import MIN_RADIUS, median
 from .messages import VerifyReport
 
 SEED_BYTES = 32
-PART_FIELDS = 4  # projection, uncertainty, distance, radius (0 for a part answered KEEP)
+PART_FIELDS = 4  # projection, result norm, distance, radius (0 for a part answered KEEP)
 DETECTION_SIGMAS = 8.0
 RADIUS_SLACK = 4.0  # the adaptive radius is taken at the coordinate median, the distances at the result
-WEIGHT_SLACK = 2.0  # members' weight limits come from each peer's own view of the progress records
 CODEC_ERROR = {  # the largest relative error (of the decoded answer) each lossy method is assumed to make
     CompressionType.NONE: 0.0,
     CompressionType.FLOAT16: 2.0**-10,
@@ -86,20 +89,37 @@ def direction(seed: bytes, span: int, part: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=generator, dtype=torch.float64)
 
 
-def part_row(sent: torch.Tensor, applied: torch.Tensor, radius: float, answer_compression: int,
-             z: torch.Tensor) -> tuple[float, float, float, float]:
-    """A sender's report on one part: (projection, uncertainty, distance, radius), see step 2.
+class PartPrecision(NamedTuple):
+    """How exactly a member can reproduce a part's fixed point: the relative rounding of the result's
+    dtype and of the reducer's accumulator, and the relative error of the part's lossy answers."""
 
-    `sent` is what it contributed, `applied` the result it now holds, `answer_compression` how the
-    answer came (a lossy answer carries that method's error)."""
+    result_eps: float
+    accumulator_eps: float
+    codec_error: float
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, compression_type: int) -> PartPrecision:
+        return cls(torch.finfo(dtype).eps, torch.finfo(accumulator_dtype(dtype)).eps,
+                   CODEC_ERROR.get(compression_type, 1.0))
+
+
+def part_row(sent: torch.Tensor, applied: torch.Tensor, radius: float, z: torch.Tensor) -> tuple[float, ...]:
+    """A sender's report on one part: (projection, result norm, distance, radius), see step 2.
+    `sent` is what it contributed, `applied` the result it now holds."""
     difference = sent.double() - applied.double()
     distance = float(torch.linalg.vector_norm(difference))
     clipped = difference * min(1.0, radius / distance) if distance > 0 else difference
-    projection = float(clipped @ z) / radius
-    norms = float(torch.linalg.vector_norm(sent.double())) + float(torch.linalg.vector_norm(applied.double()))
-    rounding = torch.finfo(applied.dtype).eps * norms + 2 * torch.finfo(accumulator_dtype(sent.dtype)).eps * norms
-    uncertainty = (rounding + CODEC_ERROR.get(answer_compression, 1.0) * distance) / radius
-    return projection, uncertainty, distance, radius
+    return float(clipped @ z) / radius, float(torch.linalg.vector_norm(applied.double())), distance, radius
+
+
+def uncertainty(precision: PartPrecision, result_norm: float, distance: float, radius: float) -> float:
+    """The most a member's projection can differ from the exact one, in radii (step 3): the result
+    rounded to its dtype, the member's values and the result rounded in the accumulator, and a lossy
+    answer's error. A clip moves by at most what its input moves, and by about radius x error /
+    distance for a member beyond the radius: so only min(distance, radius) counts."""
+    near = min(distance, radius)
+    rounding = precision.result_eps * result_norm + 2 * precision.accumulator_eps * (2 * result_norm + near)
+    return (rounding + 2 * precision.codec_error * near) / radius
 
 
 def encode_report(weights: Sequence[float], rows_by_span: Sequence[Sequence[tuple]]) -> VerifyReport:
@@ -139,10 +159,13 @@ class Verifier:
         num_parts: the parts of each span of the group.
         expected: sender index -> the weight this verifier would give it (every sender whose report is due).
         options: the group's RobustAggregation.
+        precision: (span, part) -> the part's PartPrecision (its dtype and wire compression).
     """
 
-    def __init__(self, me: int, num_parts: Sequence[int], expected: Mapping[int, float], options: RobustAggregation):
+    def __init__(self, me: int, num_parts: Sequence[int], expected: Mapping[int, float],
+                 options: RobustAggregation, precision: Callable[[int, int], PartPrecision]):
         self.me, self.num_parts, self.expected, self.options = me, list(num_parts), dict(expected), options
+        self.precision = precision
         self.reports: dict[int, list[tuple[float, np.ndarray]]] = {}
 
     def add(self, sender: int, report: VerifyReport) -> None:
@@ -171,19 +194,19 @@ class Verifier:
         weights = {sender: spans[span][0] for sender, spans in self.reports.items() if len(spans[span][1])}
         for sender, weight in weights.items():
             expected = self.expected[sender]
-            if not expected / WEIGHT_SLACK <= weight <= expected * WEIGHT_SLACK:
-                return list(range(total)), f"it gave sender {sender} weight {weight}, expected about {expected}"
+            if weight != expected:
+                return list(range(total)), f"it gave sender {sender} weight {weight}, expected {expected}"
         failed, first_reason = [], ""
         for part in range(total):
             rows = [(weights[sender], spans[span][1][part]) for sender, spans in self.reports.items()
                     if len(spans[span][1]) > part]  # a member that lost the answer to a part is not in it
-            reason = self._judge_part(rows)
+            reason = self._judge_part(rows, self.precision(span, part))
             if reason:
                 failed.append(part)
                 first_reason = first_reason or f"part {part}: {reason}"
         return failed, first_reason
 
-    def _judge_part(self, rows: list[tuple[float, np.ndarray]]) -> str:
+    def _judge_part(self, rows: list[tuple[float, np.ndarray]], precision: PartPrecision) -> str:
         if not rows:
             return ""
         radii = {float(row[3]) for _, row in rows}
@@ -191,8 +214,11 @@ class Verifier:
             return f"members got different radii {sorted(radii)}"
         radius = radii.pop()
         total_weight = sum(w for w, _ in rows)
-        if radius == 0:  # answered KEEP
-            return "" if total_weight == 0 else f"answered KEEP although the members' weights sum to {total_weight}"
+        if radius == 0:  # answered KEEP: right when too few members carried weight
+            contributors = sum(1 for w, _ in rows if w > 0)
+            if contributors < self.options.min_contributors:
+                return ""
+            return f"answered KEEP although {contributors} members carried weight"
         if self.options.clip_radius is not None:
             if radius != self.options.clip_radius:
                 return f"radius {radius}, configured {self.options.clip_radius}"
@@ -201,8 +227,10 @@ class Verifier:
             bound = RADIUS_SLACK * self.options.radius_factor * (median(distances) if len(distances) else 0.0)
             if radius > bound + MIN_RADIUS:
                 return f"radius {radius:.3g} exceeds {bound:.3g} ({RADIUS_SLACK} x factor x median distance)"
+        result_norm = median(torch.tensor([row[1] for _, row in rows], dtype=torch.float64))
         residual = sum(w * row[0] for w, row in rows)
-        allowed = DETECTION_SIGMAS * (total_weight * self.options.tolerance + sum(w * row[1] for w, row in rows))
+        spread = sum(w * uncertainty(precision, result_norm, row[2], radius) for w, row in rows)
+        allowed = DETECTION_SIGMAS * (total_weight * self.options.tolerance + spread)
         if not abs(residual) <= allowed:
             return f"clipped differences sum to {residual:.3g} along a random direction (allowed {allowed:.3g})"
         return ""

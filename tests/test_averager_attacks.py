@@ -13,6 +13,7 @@ from plexus.dht.dht import DHT
 from plexus.optim.grad_averager import GradientAverager
 from plexus.optim.power_sgd_averager import PowerSGDGradientAverager
 from plexus.optim.state_averager import TrainingStateAverager
+from plexus.testing import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -131,11 +132,11 @@ def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):
     models = [torch.nn.Linear(8, 4) for _ in range(4)]
     with torch.no_grad():
         models[3].weight.fill_(float("nan"))
-    states = [TrainingStateAverager(dht=dht, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prefix="state", **FAST)
-              for m, dht in zip(models, swarm)]
+    states = [TrainingStateAverager(dht=dht, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                    prefix="state", **FAST) for m, dht in zip(models, swarm)]
     try:
-        controls = [s.step(averaging_round=True, delay_averaging=True, averaging_opts=dict(timeout=30)) for s in states]
-        del controls
+        for state in states:
+            state.step(averaging_round=True, delay_averaging=True, averaging_opts=dict(timeout=30))
         for state in states:
             state.step(wait_for_delayed_updates=True)
         for model in models[:3]:
@@ -143,3 +144,19 @@ def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):
     finally:
         for state in states:
             state.shutdown()
+
+
+def test_a_newcomer_refuses_a_donors_nonfinite_state_and_loads_another(swarm):
+    poisoned = DecentralizedAverager([torch.full((100,), float("nan"))], swarm[0], prefix="donors", start=True)
+    good = DecentralizedAverager([torch.ones(100)], swarm[1], prefix="donors", start=True)
+    newcomer = DecentralizedAverager([torch.zeros(100)], swarm[2], prefix="donors", start=True)
+    try:
+        poisoned.state_sharing_priority, good.state_sharing_priority = 2.0, 1.0  # the NaN one looks newest
+        loaded = []  # donors declare themselves in the DHT shortly after starting
+        wait_until(lambda: loaded.append(newcomer.load_state_from_peers(timeout=10)) or loaded[-1] is not None,
+                   timeout=30, message="a donor's state was loaded")
+        _, tensors = loaded[-1]
+        assert torch.equal(tensors[0], torch.ones(100)), "the good donor's state, not the newer NaN one"
+    finally:
+        for averager in (poisoned, good, newcomer):
+            averager.shutdown()

@@ -19,7 +19,8 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def residual(values, weights, center, radius) -> float:
-    return float(torch.linalg.vector_norm((clip_to_radius(values - center, radius) * weights[:, None]).sum(0)))
+    pulls = clip_to_radius(values - center, radius) * weights[:, None]
+    return float(torch.linalg.vector_norm(pulls.sum(0)))
 
 
 def test_clip_to_radius_shortens_only_the_long_rows():
@@ -50,7 +51,8 @@ def test_honest_members_get_their_plain_mean(n, numel):
         spread = float(torch.linalg.vector_norm(values.double() - mean, dim=1).median())
         assert result.converged
         rounding = 8 * EPS32 * float(torch.linalg.vector_norm(mean))
-        assert float(torch.linalg.vector_norm(result.center.double() - mean)) <= HONEST_TOLERANCE * spread + rounding
+        error = float(torch.linalg.vector_norm(result.center.double() - mean))
+        assert error <= HONEST_TOLERANCE * spread + rounding
 
 
 @pytest.mark.parametrize("attack", [1e3, 1e30, -1e3])
@@ -73,9 +75,10 @@ def test_the_result_is_a_fixed_point_and_the_radius_is_the_rule():
     weights = torch.tensor([1.0, 2.0, 1.0, 1.0, 3.0, 1.0, 1.0], dtype=torch.float64)
     result = centered_clip(values, weights, radius_factor=2.0, tolerance=1e-9)
     assert result.radius == pytest.approx(adaptive_radius(values, coordinate_median(values), 2.0))
-    assert centered_clip(values, weights).radius == pytest.approx(adaptive_radius(values, coordinate_median(values), 1.5))
+    default = adaptive_radius(values, coordinate_median(values), 1.5)
+    assert centered_clip(values, weights).radius == pytest.approx(default)
     assert result.converged and result.iterations > 2  # members were clipped: more than the mean's one step
-    assert residual(values, weights, result.center, result.radius) <= 1e-9 * result.radius * weights.sum() * 10
+    assert residual(values, weights, result.center, result.radius) <= 1e-8 * result.radius * weights.sum()
     fixed = centered_clip(values, weights, radius=0.5)
     assert fixed.radius == 0.5
 

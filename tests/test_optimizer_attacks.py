@@ -115,12 +115,13 @@ def test_gradient_weights_are_limited_by_the_progress_records():
     never below two target batches (records lag): here a record of 3 x 32 samples, target 40."""
     dht = DHT(start=True, host_maddrs=LOCAL)
     model = torch.nn.Linear(4, 1)
-    opt = Optimizer(dht=dht, run_id="limits", target_batch_size=40, batch_size_per_step=32, params=model.parameters(),
-                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), tracker_opts=FAST_TRACKER)
+    opt = Optimizer(dht=dht, run_id="limits", target_batch_size=40, batch_size_per_step=32,
+                    params=model.parameters(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                    tracker_opts=FAST_TRACKER)
     try:
         for batch in range(3):
             model(torch.randn(32, 4)).sum().backward()
-            opt.tracker.report_local_progress(0, 32 * (batch + 1))  # as step() would, without ending the epoch
+            opt.tracker.report_local_progress(0, 32 * (batch + 1))  # as step() does, but the epoch goes on
             opt.grad_averager.accumulate_grads_(32)
             opt.zero_grad()
         opt.tracker.fetch_global_progress_now(timeout=10)

@@ -9,7 +9,7 @@ import torch
 
 from plexus.averaging.aggregation import RobustAggregation
 from plexus.averaging.allreduce import AllReduceRunner, AveragingMode
-from plexus.compression import Float16Compression
+from plexus.compression import Float16Compression, NoCompression
 from tests.test_allreduce import Swarm, run, weighted_mean
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,7 +58,8 @@ async def round_with(swarm, tensor_sets, *, faulty=None, cls=None, weights=None,
                      **options):
     """One round of every peer; peer `faulty` runs `cls`."""
     n = len(tensor_sets)
-    runners = swarm.runners(tensor_sets, fractions or [1] * n, modes, weights, part_size_bytes=1024, **options)
+    fractions = fractions or [1] * n
+    runners = swarm.runners(tensor_sets, fractions, modes, weights, part_size_bytes=1024, **options)
     if faulty is not None:
         honest = runners[faulty]
         options.pop("group_id", None)
@@ -92,10 +93,10 @@ def test_honest_robust_rounds_give_the_plain_mean_and_pass_verification(compress
         async with Swarm(4) as swarm:
             tensor_sets = [tensors(seed) for seed in range(4)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            options = dict(robust=ROBUST) if compression is None else dict(robust=ROBUST, compression=compression)
+            options = dict(robust=ROBUST, compression=compression or NoCompression())
             fractions = [1, 2, 0, 1]
-            reports = await round_with(swarm, tensor_sets, modes=[NODE, NODE, CLIENT, AUX], fractions=fractions,
-                                       weights=[1.0, 2.0, 1.0, 0.0], **options)
+            reports = await round_with(swarm, tensor_sets, modes=[NODE, NODE, CLIENT, AUX],
+                                       fractions=fractions, weights=[1.0, 2.0, 1.0, 0.0], **options)
             assert all(report.complete for report in reports), reports
             mean = weighted_mean(originals[:3], [1.0, 1.0, 1.0])  # robust rounds count every member once
             tolerance = 1e-5 if compression is None else 2**-9
@@ -110,7 +111,7 @@ def test_honest_robust_rounds_give_the_plain_mean_and_pass_verification(compress
                     for ts in tensor_sets[:3]:
                         assert float((part_values(ts, part) - exact).abs().max()) <= allowed, part
             assert sizes == {True, False}, "both kinds of parts were checked"
-            assert all(torch.equal(t, o) for t, o in zip(tensor_sets[3], originals[3])), "AUX tensors untouched"
+            assert all(torch.equal(t, o) for t, o in zip(tensor_sets[3], originals[3])), "AUX: untouched"
 
     run(main(), 50)
 
@@ -125,7 +126,7 @@ def test_a_nonfinite_member_is_excluded_by_default_and_the_others_stay_exact(att
             reports = await round_with(swarm, tensor_sets, faulty=3, cls=Attacker)
             attacker = swarm.peer_ids[3]
             for report in reports[:3]:
-                assert attacker in report.excluded_senders and "NaN or inf" in report.excluded_senders[attacker]
+                assert "NaN or inf" in report.excluded_senders[attacker]
             mean = weighted_mean(originals[:3], [1.0] * 3)
             if attack != "nan_few":  # whole tensors: no part of the attacker's is ever added
                 for ts in tensor_sets[:3]:
@@ -148,7 +149,7 @@ def test_robust_rounds_bound_what_one_member_can_do(attack):
             Attacker.attack = staticmethod(ATTACKS[attack])
             reports = await round_with(swarm, tensor_sets, faulty=3, cls=Attacker, robust=ROBUST,
                                        weights=[1.0, 1.0, 1.0, 1e9])  # robust rounds count everyone once
-            assert all(not report.discarded_parts for report in reports[:3]), "honest reducers pass verification"
+            assert all(not report.discarded_parts for report in reports[:3]), "honest reducers pass"
             mean = weighted_mean(originals[:3], [1.0] * 3)
             spread = max(distance(ts, mean) for ts in originals[:3])
             for ts in tensor_sets[:3]:
@@ -181,7 +182,7 @@ def test_a_reducer_that_answers_wrongly_is_caught_and_its_parts_discarded(compre
         async with Swarm(4) as swarm:
             tensor_sets = [tensors(seed) for seed in range(4)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            options = dict(robust=ROBUST) if compression is None else dict(robust=ROBUST, compression=compression)
+            options = dict(robust=ROBUST, compression=compression or NoCompression())
             reports = await round_with(swarm, tensor_sets, faulty=1, cls=WrongReducer, **options)
             liar = swarm.peer_ids[1]
             for i, report in enumerate(reports):
@@ -218,5 +219,7 @@ def test_nonfinite_answers_fail_the_span_and_leave_local_values():
                     assert failure.reducer == swarm.peer_ids[2] and "NaN or inf" in failure.reason
                     results = outputs[i] if separate else tensor_sets[i]
                     assert all(torch.isfinite(t).all() for t in results)
+                    for part in partition_of(swarm, [1] * 3).parts(2):  # the span it answered: local values
+                        assert torch.equal(part_values(results, part), part_values(originals[i], part))
 
     asyncio.run(asyncio.wait_for(main(), 50))

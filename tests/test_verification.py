@@ -26,6 +26,10 @@ OPTIONS = RobustAggregation()
 NUM_PARTS = [0, 1]  # span 0 is the verifier's own (empty here), span 1 is judged
 
 
+def FLOAT32(span: int, part: int) -> PartPrecision:
+    return PartPrecision.of(torch.float32, CompressionType.NONE)
+
+
 def members(n=4, numel=256, seed=0, outlier=None):
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(n, numel, generator=generator) + 2.0
@@ -42,7 +46,8 @@ def judge(values, result, radius, weights=None, *, dtype=torch.float32, compress
     seed = seed or os.urandom(32)  # tests that count misses pass fixed seeds: the counts are then exact
     z = direction(seed, 1, 0, values.shape[1])
     precision = PartPrecision.of(dtype, compression)
-    verifier = Verifier(0, NUM_PARTS, expected or dict(enumerate(weights)), OPTIONS, lambda span, part: precision)
+    verifier = Verifier(0, NUM_PARTS, expected or dict(enumerate(weights)), OPTIONS,
+                        lambda span, part: precision)
     for i in range(n):
         if i in skip:
             continue
@@ -59,7 +64,8 @@ def judge(values, result, radius, weights=None, *, dtype=torch.float32, compress
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_honest_results_pass_in_every_dtype(dtype):
     for trial in range(20):
-        values = members(seed=trial, outlier=torch.full((256,), 40.0) if trial % 2 else None).to(dtype).float()
+        outlier = torch.full((256,), 40.0) if trial % 2 else None
+        values = members(seed=trial, outlier=outlier).to(dtype).float()
         result = centered_clip(values, torch.ones(4))
         assert judge(values, result.center, result.radius, dtype=dtype) == ([], "")
 
@@ -102,7 +108,8 @@ def test_a_result_wrong_for_one_member_only_fails():
     caught = 0
     for trial in range(10):
         wrong = result.center + torch.randn(256, generator=torch.Generator().manual_seed(trial)) / 16
-        caught += judge(values, result.center, result.radius, applied_by={2: wrong}, seed=bytes([trial]) * 32)[0] == [0]
+        bad, _ = judge(values, result.center, result.radius, applied_by={2: wrong}, seed=bytes([trial]) * 32)
+        caught += bad == [0]
     assert caught == 10
 
 
@@ -134,9 +141,9 @@ def test_radii_weights_and_missing_reports():
     assert bad == [0] and "exceeds" in reason, "a radius far above the rule lets the outlier in"
     bad, reason = judge(values, result.center, result.radius, given={1: 5.0})
     assert bad == [0] and "gave sender 1 weight 5.0" in reason
-    bad, reason = judge(values, result.center, result.radius, expected={0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0})
+    bad, reason = judge(values, result.center, result.radius, expected=dict.fromkeys(range(5), 1.0))
     assert bad == [0] and "no report from sender(s) [4]" in reason
-    verifier = Verifier(0, NUM_PARTS, {0: 1.0}, OPTIONS, lambda span, part: PartPrecision.of(torch.float32, 0))
+    verifier = Verifier(0, NUM_PARTS, {0: 1.0}, OPTIONS, FLOAT32)
     # the reducer excluded it: no part, no weight
     verifier.add(0, encode_report([1.0, 0.0], [[], []]))
     assert verifier.verdict().bad_parts == [None, []]
@@ -147,7 +154,8 @@ def test_weights_shifted_by_the_reducer_fail_even_if_consistent():
     values = members()
     made_up = torch.tensor([1.0, 1.0, 1.0, 3.0])
     result = centered_clip(values, made_up)
-    bad, reason = judge(values, result.center, result.radius, weights=made_up.tolist(), expected=dict.fromkeys(range(4), 1.0))
+    bad, reason = judge(values, result.center, result.radius, weights=made_up.tolist(),
+                        expected=dict.fromkeys(range(4), 1.0))
     assert bad == [0] and "weight 3.0" in reason
 
 
@@ -165,7 +173,7 @@ def test_a_fixed_radius_must_be_the_configured_one():
 
 def test_keep_answers():
     values = members()
-    verifier = Verifier(0, NUM_PARTS, {0: 0.0, 1: 0.0}, OPTIONS, lambda span, part: PartPrecision.of(torch.float32, 0))
+    verifier = Verifier(0, NUM_PARTS, {0: 0.0, 1: 0.0}, OPTIONS, FLOAT32)
     for i in (0, 1):
         verifier.add(i, encode_report([0.0, 0.0], [[], [(0.0, 0.0, 0.0, 0.0)]]))
     assert verifier.verdict().bad_parts == [None, []]

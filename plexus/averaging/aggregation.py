@@ -75,8 +75,8 @@ class RobustAggregation:
             raise ValueError(f"clip_radius must be a finite positive number or None, got {self.clip_radius}")
         if not (self.radius_factor > 0 and 0 < self.tolerance < 1 and self.max_iterations >= 1
                 and self.min_contributors >= 1):
-            raise ValueError(f"invalid {self}: need radius_factor > 0, 0 < tolerance < 1, max_iterations >= 1 "
-                             f"and min_contributors >= 1")
+            raise ValueError(f"invalid {self}: need radius_factor > 0, 0 < tolerance < 1, "
+                             f"max_iterations >= 1 and min_contributors >= 1")
 
 
 def lower_median(values) -> float:
@@ -121,7 +121,8 @@ class MeanPart:
     def add(self, sender: int, values: torch.Tensor, weight: float, lossy_wire: tuple | None) -> None:
         if self.acc is None:  # the first contribution starts the sum: one pass, no zero-filled accumulator
             acc_dtype = self.dtype = accumulator_dtype(values.dtype)
-            self.acc = torch.mul(values, weight) if values.dtype == acc_dtype else values.to(acc_dtype).mul_(weight)
+            same = values.dtype == acc_dtype
+            self.acc = torch.mul(values, weight) if same else values.to(acc_dtype).mul_(weight)
         else:
             self.acc.add_(values, alpha=weight)
         self.total_weight += weight
@@ -184,8 +185,9 @@ class ClippedPart:
         stacked = torch.stack([x.to(acc_dtype) for x, _ in members])
         weights = torch.tensor([w for _, w in members], dtype=acc_dtype)
         options = self.options
-        result = centered_clip(stacked, weights, radius=options.clip_radius, radius_factor=options.radius_factor,
-                               tolerance=options.tolerance, max_iterations=options.max_iterations)
+        result = centered_clip(stacked, weights, radius=options.clip_radius,
+                               radius_factor=options.radius_factor, tolerance=options.tolerance,
+                               max_iterations=options.max_iterations)
         self.iterations, self.converged = result.iterations, result.converged
         if out is not None:
             return out.copy_(result.center), result.radius

@@ -20,16 +20,19 @@ mode every member of positive weight counts once.
 
 Reduction: `acc += w * x` in float32 (float64 for float64 tensors), then `average = acc / sum(w)`
 over the senders that contributed *that* part; or, with `robust`, the CenteredClip of their
-values (`aggregation.ClippedPart`), and with `robust.verify` a check of every reducer after the
-last part (`verification.py`: seeds, scalar reports and verdicts on the same streams; parts that
-a majority of verifiers rejects keep their local values). Verifying needs the sent values after
-the round, so without `outputs` the runner keeps its results in a copy until the verdicts are in. A part that came uncompressed is answered with the
-average itself, encoded once and shared by every recipient (so, with alpha = 1, all peers end
-bit-identical). A part that came lossily compressed is answered with `average - x~` where x~ is the
-sender's part as the reducer decoded it, compressed again: the sender's own compression error
+values (`aggregation.ClippedPart`). A part that came uncompressed is answered with the average
+itself, encoded once and shared by every recipient (so, with alpha = 1, all peers end
+bit-identical). A part that came lossily compressed is answered with `average - x~` where x~ is
+the sender's part as the reducer decoded it, compressed again: the sender's own compression error
 cancels and only the difference carries new error (parameters that already agree stay
 untouched). The sender applies `tensor += alpha * (average - tensor)`. A part whose contributors
-all have weight 0 has no average and is answered KEEP.
+all have weight 0 (in robust mode: fewer than `min_contributors` of positive weight) has no
+average and is answered KEEP.
+
+Verification (`robust.verify`): after the last part every reducer checks the others' spans
+(`verification.py`: seeds, scalar reports and verdicts travel on the same streams), and a part that
+most verifiers reject keeps its local values everywhere. Verifying needs the sent values after
+the round, so without `outputs` the runner keeps its results in a copy until the verdicts are in.
 
 Fault tolerance (the per-part rule):
   * The answer to part k is the weighted average over exactly the senders that contributed part k
@@ -37,30 +40,33 @@ Fault tolerance (the per-part rule):
   * Every sender that receives an answer applies it. A sender that does not receive it keeps its
     own local values for that part and for every later part of that span: on every peer, each part
     ends either averaged (identical on all peers that have it) or local, and within a span the
-    averaged parts are a prefix.
+    averaged parts are a prefix (verification may then discard single parts).
   * Reducer side, `sender_timeout`: a sender that has not opened its stream within sender_timeout
     of the round's start, or owes the reducer its next part for sender_timeout (time held back by
-    the window does not count), is excluded from the rest of the round. So is a sender that sends
-    garbage (a malformed header or buffer, a part of the wrong index, size or dtype, NaN/inf when
-    `reject_nonfinite`), or whose stream breaks. Its contributions to parts that are not yet
-    complete stay in (they are valid data; the part's average is over its contributors,
-    including it); later parts are averaged over the others. The excluded sender gets an error
-    naming the reason, and keeps its local values from the first unanswered part on.
+    the window, or by waiting for the other senders' streams, does not count), is excluded from the
+    rest of the round. So is a sender that sends garbage (a malformed header or buffer, a part of
+    the wrong index, size or dtype, NaN/inf when `reject_nonfinite`, the default), or whose stream
+    breaks; and the reducer's own values, if they are not finite (it keeps them, and averages its
+    span over the others). Its contributions to parts that are not yet complete stay in (they are
+    valid data; the part's average is over its contributors, including it), except in robust mode,
+    where they are taken out again; later parts are averaged over the others. The excluded sender
+    gets an error naming the reason, and keeps its local values from the first unanswered part on.
   * Sender side, `reducer_timeout` (must exceed sender_timeout): a reducer that fails to answer
     the next part within reducer_timeout, refuses the stream, answers NaN or inf (with
-    `reject_nonfinite`), or whose stream breaks, fails its span: the parts already answered stay applied, the rest keep local values, and `run()` reports
-    the span in `AllReduceReport.failed_spans`.
+    `reject_nonfinite`), or whose stream breaks, fails its span: the parts already answered stay
+    applied, the rest keep local values, and `run()` reports the span in
+    `AllReduceReport.failed_spans`.
   * Memory is bounded: a reducer reads a sender's next part only inside the window of parts past
     the completion frontier, and only while that sender has fewer than `window` answers waiting
     to be written to it.
 
 The bookkeeping (who has sent what, who is excluded, the completion frontier and window, whose
 clock runs) is `reducer_core.ReducerCore`, sans-I/O, described there; this module is the asyncio
-driver, `AllReduceRunner` (the round and its sender side; the reducer side is `reducer.SpanReducer`),
-and the stream router, `AllReduceRouter`. Two public methods are a seam
-for tests that play a faulty member: `outgoing` (what this peer sends for a part) and `reduced`
-(what it answers). Left out: retries (the averager retries a round), checking the group's schema
-(the averager's matchmaking does that).
+driver, `AllReduceRunner` (the round and its sender side; the reducer side is
+`reducer.SpanReducer`), and the stream router, `AllReduceRouter`. Two public methods are a seam for
+tests that play a faulty member: `outgoing` (what this peer sends for a part) and `reduced` (what
+it answers). Left out: retries (the averager retries a round), checking the group's schema (the
+averager's matchmaking does that).
 """
 
 from __future__ import annotations
@@ -219,10 +225,11 @@ class AllReduceRunner:
         self.robust = robust
         self.verifying = robust is not None and robust.verify
         if self.verifying and averaging_alpha != 1.0:
-            raise AllReduceError(f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): members "
-                                 "check the result they applied against what they sent")
+            raise AllReduceError(f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): "
+                                 "members check the result they applied against what they sent")
         self.max_weight_ratio = max_weight_ratio
-        self.weight_limits = {peers.index(p): float(limit) for p, limit in (weight_limits or {}).items() if p in peers}
+        self.weight_limits = {peers.index(peer): float(limit)
+                              for peer, limit in (weight_limits or {}).items() if peer in peers}
         self.protocol = allreduce_protocol(protocol_prefix)
         self._results_copy = None  # verifying in place: (tensors, where the results wait for the verdicts)
         if self.verifying and outputs is None and self.mode != AveragingMode.AUX:
@@ -235,7 +242,8 @@ class AllReduceRunner:
         self.is_sender = self.mode != AveragingMode.AUX
         self.num_parts = self.partition.num_parts(self.me)
         span_parts = [self.partition.num_parts(i) for i in range(len(peers))]
-        self.max_frame_bytes = max([self.partition.max_part_numel(i) for i in range(len(peers))], default=0) * 8
+        largest = max([self.partition.max_part_numel(i) for i in range(len(peers))], default=0)
+        self.max_frame_bytes = 8 * largest
         if self.verifying:  # a report: one row per part of the vector; a verdict: an index per part
             self.max_frame_bytes = max(self.max_frame_bytes, sum(span_parts) * (8 * PART_FIELDS + 9))
         self.max_frame_bytes += FRAME_OVERHEAD_BYTES
@@ -310,9 +318,10 @@ class AllReduceRunner:
             for index, reason in sorted(self.reducer.core.excluded.items()):
                 self.report.excluded_senders[self.peers[index]] = reason
         if not self.report.complete:
-            logger.warning(f"all-reduce {self.group_id.hex()[:8]}: {len(self.report.failed_spans)} span(s) failed, "
-                           f"{len(self.report.excluded_senders)} sender(s) excluded, parts of "
-                           f"{len(self.report.discarded_parts)} span(s) discarded")
+            report = self.report
+            logger.warning(f"all-reduce {self.group_id.hex()[:8]}: {len(report.failed_spans)} span(s) "
+                           f"failed, {len(report.excluded_senders)} sender(s) excluded, parts of "
+                           f"{len(report.discarded_parts)} span(s) discarded")
         return self.report
 
     def _finish_results(self) -> None:
@@ -331,8 +340,9 @@ class AllReduceRunner:
                     if index < self._applied[span]:
                         self.partition.keep(self.partition.part(span, index))
                 self.report.discarded_parts[self.peers[span]] = parts
-                log_peer_fault(self.peers[span], "discarded", f"all-reduce {self.group_id.hex()[:8]}: discarding "
-                              f"{len(parts)} part(s) reduced by {self.peers[span]}: most verifiers found them wrong")
+                log_peer_fault(self.peers[span], "discarded", f"all-reduce {self.group_id.hex()[:8]}: "
+                               f"discarding {len(parts)} part(s) reduced by {self.peers[span]}: most "
+                               f"verifiers found them wrong")
         if self._results_copy is not None:
             for tensor, result in zip(*self._results_copy):
                 tensor.copy_(result)
@@ -384,12 +394,13 @@ class AllReduceRunner:
             else:
                 reason = f"{type(error).__name__}: {error}"
             if received < total:
-                log_peer_fault(peer, reason, f"all-reduce {self.group_id.hex()[:8]}: span of {peer} failed after "
-                              f"{received} of {total} parts ({reason}); keeping local values for the rest of it")
+                log_peer_fault(peer, reason, f"all-reduce {self.group_id.hex()[:8]}: span of {peer} failed "
+                               f"after {received} of {total} parts ({reason}); keeping local values for "
+                               f"the rest of it")
                 self.report.failed_spans.append(SpanFailure(peer, received, total, reason))
             else:
-                log_peer_fault(peer, "verify " + reason, f"all-reduce {self.group_id.hex()[:8]}: could not verify "
-                              f"with {peer} ({reason}); its verdict does not count")
+                log_peer_fault(peer, "verify " + reason, f"all-reduce {self.group_id.hex()[:8]}: could not "
+                               f"verify with {peer} ({reason}); its verdict does not count")
         finally:
             if not self._reports[j].done():
                 self._reports[j].set_result(None)
@@ -434,7 +445,7 @@ class AllReduceRunner:
         target = self.partition.output(part)
         checked_in_place = self.reject_nonfinite and self.partition.in_place  # no local copy to fall back on
         if (header.kind == AnswerKind.AVERAGE and header.compression == CompressionType.NONE and self.alpha == 1.0
-                and target.device.type == "cpu" and not checked_in_place):  # copy the received bytes straight in
+                and target.device.type == "cpu" and not checked_in_place):  # received bytes go straight in
             destination = tensor_bytes_view(target)
             if sum(map(len, chunks)) != len(destination):
                 raise rpc.RPCProtocolError(f"answer for part {part.index} has {sum(map(len, chunks))} bytes, "
@@ -466,7 +477,8 @@ class AllReduceRunner:
         async with asyncio.timeout(2 * self.reducer_timeout):
             verdict = VerifyVerdict.decode(b"".join(await anext(responses)))
         if len(verdict.bad_parts) != len(self.peers):
-            raise rpc.RPCProtocolError(f"a verdict on {len(verdict.bad_parts)} spans, the group has {len(self.peers)}")
+            raise rpc.RPCProtocolError(f"a verdict on {len(verdict.bad_parts)} spans, the group has "
+                                       f"{len(self.peers)}")
         self._verdicts[j] = verdict.bad_parts
 
     def _make_report(self, seed: bytes) -> VerifyReport:

@@ -93,8 +93,9 @@ class DecentralizedAverager:
                  compression: CompressionBase = NoCompression(), state_compression: CompressionBase = NoCompression(),
                  tensor_infos: Sequence[CompressionInfo] | None = None, bandwidth: float | None = None,
                  min_vector_size: int = 0, auxiliary: bool = False, allow_state_sharing: bool | None = None,
-                 declare_state_period: float = 30, client_mode: bool | None = None, shutdown_timeout: float = 5,
-                 reject_nonfinite: bool = True, max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+                 declare_state_period: float = 30, client_mode: bool | None = None,
+                 shutdown_timeout: float = 5, reject_nonfinite: bool = True,
+                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
                  weight_limits: Callable[[Sequence[PeerID]], Mapping[PeerID, float]] | None = None,
                  robust: RobustAggregation | None = None):
         if "." in prefix:
@@ -126,8 +127,8 @@ class DecentralizedAverager:
         if not max_weight_ratio >= 1:
             raise ValueError(f"max_weight_ratio must be at least 1, got {max_weight_ratio}")
         if robust is not None and robust.verify and averaging_alpha != 1.0:
-            raise ValueError("robust=RobustAggregation(verify=True) needs averaging_alpha=1: members check the "
-                             "result they applied")
+            raise ValueError("robust=RobustAggregation(verify=True) needs averaging_alpha=1: members check "
+                             "the result they applied")
         self.reject_nonfinite, self.max_weight_ratio = reject_nonfinite, max_weight_ratio
         self.weight_limits, self.robust = weight_limits, robust
         self._allow_state_sharing = not (self.client_mode or auxiliary) if allow_state_sharing is None else allow_state_sharing
@@ -214,10 +215,11 @@ class DecentralizedAverager:
         """Download (metadata, tensors) from up-to-date peers; None if nobody shares state.
 
         `min_priority` (e.g. the swarm's epoch): fail with `StateDownloadError` rather than take
-        an older state."""
+        an older state. With `reject_nonfinite`, a donor's state holding NaN or inf is refused and
+        the others are tried."""
         future = self._background.submit(
             load_state_from_peers(self.dht.host, self.dht.node, self.prefix, timeout=timeout,
-                                  min_priority=min_priority))
+                                  min_priority=min_priority, reject_nonfinite=self.reject_nonfinite))
         return future.result() if wait else future
 
     @property
@@ -353,8 +355,9 @@ class DecentralizedAverager:
             failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
                                for f in report.failed_spans)
             logger.warning(f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "
-                           f"values: {failed or 'none'}; excluded senders: {list(map(str, report.excluded_senders))}; "
-                           f"parts that failed verification: {len(report.discarded_parts)} span(s)")
+                           f"values: {failed or 'none'}; excluded senders: "
+                           f"{list(map(str, report.excluded_senders))}; parts that failed verification: "
+                           f"{len(report.discarded_parts)} span(s)")
         return {peer: MSGPackSerializer.loads(member[2]) for peer, member in zip(group.peer_ids, members)}
 
     def _member_checks(self, peer_ids: Sequence[PeerID]) -> dict:

@@ -87,7 +87,8 @@ def rounding_floor(center: torch.Tensor) -> float:
 
 
 def centered_clip(values: torch.Tensor, weights: torch.Tensor, *, radius: float | None = None,
-                  radius_factor: float = 1.5, tolerance: float = 1e-6, max_iterations: int = 1000) -> ClipResult:
+                  radius_factor: float = 1.5, tolerance: float = 1e-6,
+                  max_iterations: int = 1000) -> ClipResult:
     """The CenteredClip fixed point of the rows of `values` (n x d, floating) with `weights` (n, > 0).
 
     Args:

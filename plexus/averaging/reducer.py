@@ -86,7 +86,8 @@ class SpanReducer:
 
     def __init__(self, round: AllReduceRunner):
         self.round = round
-        self.me, self.peers, self.partition, self.num_parts = round.me, round.peers, round.partition, round.num_parts
+        self.me, self.peers, self.partition = round.me, round.peers, round.partition
+        self.num_parts = round.num_parts
         self.tag = round.group_id.hex()[:8]  # names the round in logs and errors
         self.started = asyncio.Event()
         self.reduced = asyncio.Event()
@@ -155,8 +156,9 @@ class SpanReducer:
         for sender, weight in self.weights.items():
             if weight < declared[sender] and sender != self.me:
                 log_peer_fault(self.peers[sender], "weight", f"all-reduce {self.tag}: weight of "
-                              f"{self.peers[sender]} bounded from {declared[sender]:.6g} to {weight:.6g} (its limit "
-                              f"{self.round.weight_limits.get(sender)}, or {self.round.max_weight_ratio} x the group's median)")
+                               f"{self.peers[sender]} bounded from {declared[sender]:.6g} to {weight:.6g} "
+                               f"(its limit {self.round.weight_limits.get(sender)}, or "
+                               f"{self.round.max_weight_ratio} x the group's median)")
         self._notify()
 
     async def _contribute_local(self) -> None:
@@ -172,10 +174,12 @@ class SpanReducer:
             self._contribute(self.me, part, values)
             await asyncio.sleep(0)  # let the network make progress between parts
 
-    def _contribute(self, sender: int, part: Part, values: torch.Tensor, lossy_wire: tuple | None = None) -> None:
+    def _contribute(self, sender: int, part: Part, values: torch.Tensor,
+                    lossy_wire: tuple | None = None) -> None:
         state = self.states.get(part.index)
         if state is None:
-            state = self.states[part.index] = ClippedPart(self.round.robust) if self.round.robust else MeanPart()
+            robust = self.round.robust
+            state = self.states[part.index] = ClippedPart(robust) if robust else MeanPart()
         state.add(sender, values, self.weights[sender], lossy_wire)
         self._on_complete(self.core.contribute(sender, part.index, asyncio.get_running_loop().time()))
 
@@ -234,7 +238,7 @@ class SpanReducer:
         dtype = self.partition.dtype(part)
         target = self.partition.output(part) if self.round.is_sender and self.me in self.core.live else None
         in_place = (target is not None and self.round.alpha == 1.0 and target.device.type == "cpu"
-                    and state is not None and target.dtype == state.dtype)  # the average is final: shared from there
+                    and state is not None and target.dtype == state.dtype)  # final: shared from there
         average, radius = state.average(target if in_place else None) if state is not None else (None, None)
         if target is not None:
             self.round._applied[self.me] = index + 1  # in place by the end of this call, or kept
@@ -249,7 +253,8 @@ class SpanReducer:
             return
         average = self.round.reduced(part, average)
 
-        def header(kind: AnswerKind, sender: int, name: str = dtype_name(dtype), compression: int = 0) -> bytes:
+        def header(kind: AnswerKind, sender: int, name: str = dtype_name(dtype),
+                   compression: int = 0) -> bytes:
             weight = self.weights[sender] if self.round.verifying and index == 0 else None
             return AnswerHeader(index, kind, part.numel, name, compression, radius, weight).encode()
 
@@ -262,7 +267,8 @@ class SpanReducer:
                 self.channels[sender].push((header(AnswerKind.AVERAGE, sender), shared))
             else:
                 delta = (average - x_decoded).to(dtype)
-                name, compression, buffer = encode_tensor(delta, self.partition.compression_info(part), self.round.compression)
+                name, compression, buffer = encode_tensor(delta, self.partition.compression_info(part),
+                                                          self.round.compression)
                 self.channels[sender].push((header(AnswerKind.DELTA, sender, name, compression), buffer))
         if target is not None and average.data_ptr() != target.data_ptr():
             self.partition.apply_average(part, average, self.round.alpha)
@@ -294,7 +300,8 @@ class SpanReducer:
             self.verifier.add(self.me, await loop.run_in_executor(None, self.round._make_report, seed))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.round.reducer_timeout):
-                await self._wait_until(lambda: all(s in self.verifier.reports or s not in self.core.live for s in due))
+                await self._wait_until(
+                    lambda: all(s in self.verifier.reports or s not in self.core.live for s in due))
         verdict = self.verifier.verdict()
         for span, reason in verdict.reasons.items():
             log_peer_fault(self.peers[span], reason, f"all-reduce {self.tag}: verification of the "
@@ -308,7 +315,8 @@ class SpanReducer:
 
     # --- one sender's stream ---------------------------------------------------------
 
-    async def serve_sender(self, stream, first: PartHeader, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def serve_sender(self, stream, first: PartHeader,
+                           frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The reducer's side of one sender's stream: read its parts, yield the answer frames."""
         sender = self.peers.index(stream.remote_peer)  # the runner checked it is one of the senders
         try:
@@ -352,14 +360,15 @@ class SpanReducer:
         try:
             while received < self.num_parts:
                 channel = self.channels[sender]
-                await self._wait_until(lambda: sender not in self.core.live
-                                       or self.core.allowed(sender) and len(channel.answers) < self.round.window)
+                await self._wait_until(lambda: sender not in self.core.live or self.core.allowed(sender)
+                                       and len(channel.answers) < self.round.window)
                 if sender not in self.core.live:
                     return
                 if header is None:
                     header = PartHeader.decode(await self._next_frame(frames, f"after {received} parts"))
                     if header.group_id is not None:
-                        raise ValueError(f"part {header.index} repeats group_id/weight; only the first part has them")
+                        raise ValueError(f"part {header.index} repeats group_id/weight; only the first part "
+                                         f"has them")
                 buffer = await self._next_frame(frames, f"before the buffer of part {header.index}")
                 part = self._check_part(header)
                 values = decode_tensor(header.numel, header.dtype, header.compression, buffer)
@@ -367,7 +376,7 @@ class SpanReducer:
                     raise ValueError(f"part {part.index} holds NaN or inf values")
                 lossy = header.compression != CompressionType.NONE
                 self._contribute(sender, part, values, (header, buffer) if lossy else None)
-                received, header, buffer, values = received + 1, None, None, None  # added: not held while waiting
+                received, header, buffer, values = received + 1, None, None, None  # not held while waiting
             if self.round.verifying:
                 VerifyDone.decode(await self._next_frame(frames, "before VerifyDone"))
                 self.done_senders.add(sender)
@@ -396,6 +405,7 @@ class SpanReducer:
             raise ValueError(f"part index {header.index} is outside this span's {self.num_parts} parts")
         dtype = dtype_name(self.partition.dtype(part))
         if header.numel != part.numel or header.dtype != dtype:
-            raise ValueError(f"part {header.index} has {header.numel} x {header.dtype}, expected {part.numel} x "
-                             f"{dtype}: do all peers use the same tensors, part_size_bytes and compression?")
+            raise ValueError(f"part {header.index} has {header.numel} x {header.dtype}, expected "
+                             f"{part.numel} x {dtype}: do all peers use the same tensors, part_size_bytes "
+                             f"and compression?")
         return part

@@ -136,5 +136,6 @@ class ReducerCore:
         return sorted(s for s in self._owing() if now >= self._since[s] + self.sender_timeout)
 
     def __repr__(self) -> str:
-        return (f"<ReducerCore {self.frontier}/{self.num_parts} parts, live {sorted(self.live)}, "
-                f"{'settled' if self.settled else f'opened {sorted(self.opened)}'}, excluded {sorted(self.excluded)}>")
+        opened = "settled" if self.settled else f"opened {sorted(self.opened)}"
+        return (f"<ReducerCore {self.frontier}/{self.num_parts} parts, live {sorted(self.live)}, {opened}, "
+                f"excluded {sorted(self.excluded)}>")

@@ -232,7 +232,8 @@ class Verifier:
         spread = sum(w * uncertainty(precision, result_norm, row[2], radius) for w, row in rows)
         allowed = DETECTION_SIGMAS * (total_weight * self.options.tolerance + spread)
         if not abs(residual) <= allowed:
-            return f"clipped differences sum to {residual:.3g} along a random direction (allowed {allowed:.3g})"
+            return (f"clipped differences sum to {residual:.3g} along a random direction "
+                    f"(allowed {allowed:.3g})")
         return ""
 
 

@@ -64,6 +64,7 @@ from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
 from ..p2p.identity import PeerID
 from ..utils.logging import RateLimitedLog, get_logger
+from ..utils.tensors import all_finite
 from ..utils.timing import get_dht_time
 from .grad_averager import GradientAverager
 from .grad_scaler import GradScaler
@@ -144,7 +145,7 @@ class Optimizer(torch.optim.Optimizer):
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
             status_loglevel=self.status_loglevel, **(tracker_opts or {}))
-        self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (its weights are its samples)
+        self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (weights: its samples)
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet
@@ -249,7 +250,8 @@ class Optimizer(torch.optim.Optimizer):
                 self._losses.append(float(loss))
         self._log_finished_state_rounds()
 
-        if not self.auxiliary and grad_scaler is None and not _finite(self.state_averager.main_parameters):
+        main_parameters = self.state_averager.main_parameters
+        if not self.auxiliary and grad_scaler is None and not all_finite(_grads(main_parameters)):
             self._drop_nonfinite_batch()
             return loss
         if self.auxiliary:
@@ -288,14 +290,15 @@ class Optimizer(torch.optim.Optimizer):
         self.nonfinite_batches += 1
         lost = "this batch"
         if self.use_gradient_averaging and self.reuse_grad_buffers:
-            lost = f"this batch and the {self.grad_averager.local_samples_accumulated} samples accumulated in .grad"
+            samples = self.grad_averager.local_samples_accumulated
+            lost = f"this batch and the {samples} samples accumulated in .grad"
             self.grad_averager.reset_accumulated_grads_()
             self._report(0)
         else:
             for param in self.state_averager.main_parameters:
                 param.grad = None  # a local optimizer step must not see them either
-        _dropped_batches.warning("nonfinite", f"Non-finite local gradients (NaN or inf): {lost} dropped, nothing "
-                                              "of it reaches the swarm (logged once a minute)")
+        _dropped_batches.warning("nonfinite", f"Non-finite local gradients (NaN or inf): {lost} dropped, "
+                                              "nothing of it reaches the swarm (logged once a minute)")
 
     def _gradient_weight_limits(self, peer_ids) -> dict[PeerID, float]:
         """A member of this epoch's gradient round weighs at most twice the samples its progress
@@ -307,7 +310,8 @@ class Optimizer(torch.optim.Optimizer):
         for peer in peer_ids:
             record = self.tracker.peer_progress(peer.to_bytes())
             if record is not None and record.epoch == self._gradient_epoch:
-                extrapolated = record.samples_accumulated + record.samples_per_second * max(0.0, now - record.time)
+                elapsed = max(0.0, now - record.time)
+                extrapolated = record.samples_accumulated + record.samples_per_second * elapsed
                 limits[peer] = 2 * max(extrapolated, self.target_batch_size)
         return limits
 
@@ -609,10 +613,8 @@ _BEHIND = object()  # _average_gradients: the group showed that this peer is beh
 POLL_INTERVAL = 0.1  # how often a peer waiting for its gradient round looks whether the swarm moved on
 
 
-def _finite(parameters) -> bool:
-    """Whether every gradient of `parameters` is finite (one device sync, not one per tensor)."""
-    grads = [param.grad for param in parameters if param.grad is not None]
-    return not grads or bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
+def _grads(parameters) -> list[torch.Tensor]:
+    return [param.grad for param in parameters if param.grad is not None]
 
 
 def _idle(control) -> bool:

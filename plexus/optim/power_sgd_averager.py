@@ -29,9 +29,10 @@ shape), so even the first round is exact PowerSGD; after each round the Q phase 
 with the same new Q. Newcomers download Q with `load_state_from_peers`. A peer that failed a phase
 (a span it did not get back) keeps its old Q and local gradients for that round and raises; its
 next successful round re-synchronises Q. One that failed phase P still takes part in phase Q, with
-weight 0, so that the others' round completes without it (a peer whose gradients hold NaN or inf is
-excluded by the reducers and must not take the group's round down with it). A peer with weight 0 (it contributes nothing) takes the
-averaged result but leaves its error buffer alone. Left out: hivemind's greedy merging of
+weight 0, so that the others' round completes without it (a peer whose gradients hold NaN or inf
+is excluded by the reducers and must not take the group's round down with it). A peer with weight
+0 (it contributes nothing) takes the averaged result but leaves its error buffer alone. Left out:
+hivemind's greedy merging of
 adjacent small dimensions (we pick the most square split instead).
 """
 
@@ -197,7 +198,7 @@ class PowerSGDGradientAverager(GradientAverager):
         failed = None
         try:
             await self._run_phase(group, b"P", ps, modes, bandwidths, weight)
-        except PowerSGDPhaseError as error:  # still reduce our span of phase Q, or the others' round fails too
+        except PowerSGDPhaseError as error:  # still reduce our span of phase Q, or the others' round fails
             failed, weight = error, 0.0
 
         def phase_q() -> list[torch.Tensor]:

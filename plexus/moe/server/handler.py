@@ -27,6 +27,7 @@ from ...p2p import rpc
 from ...p2p.host import Host
 from ...p2p.identity import PeerID
 from ...utils.logging import RateLimitedLog, get_logger
+from ...utils.tensors import first_nonfinite
 from ..messages import (
     BACKWARD_PROTOCOL,
     BACKWARD_STREAM_PROTOCOL,
@@ -46,7 +47,7 @@ from ..messages import (
     unary_message,
 )
 from ..schema import BatchTensorDescriptor
-from .module_backend import ModuleBackend, NonFiniteError, first_nonfinite
+from .module_backend import ModuleBackend, NonFiniteError
 from .runtime import TaskRejected
 
 logger = get_logger(__name__)

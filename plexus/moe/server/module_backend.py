@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ...errors import PeerMisbehaved
+from ...utils.tensors import first_nonfinite
 from ..messages import ExpertSchema
 from ..schema import BatchTensorDescriptor
 from .runtime import DEFAULT_MAX_PENDING_TASKS, TaskPool
@@ -28,16 +30,9 @@ from .runtime import DEFAULT_MAX_PENDING_TASKS, TaskPool
 DUMMY_BATCH_SIZE = 3  # the batch used to infer outputs_schema
 
 
-class NonFiniteError(ValueError):
-    """A batch produced NaN or inf (outputs or gradients); it was refused, the expert is unchanged."""
-
-
-def first_nonfinite(tensors) -> int | None:
-    """The index of the first tensor holding NaN or inf, or None."""
-    for index, tensor in enumerate(tensors):
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return index
-    return None
+class NonFiniteError(PeerMisbehaved, ValueError):
+    """A batch produced NaN or inf (outputs or gradients) from a client's inputs; it was refused, and
+    the expert is unchanged."""
 
 
 class ModuleBackend:
@@ -113,7 +108,8 @@ class ModuleBackend:
         with torch.no_grad():
             outputs = self._call([t.to(device, non_blocking=True) for t in inputs])
         if (index := first_nonfinite(outputs)) is not None:
-            raise NonFiniteError(f"expert {self.name!r}: output {index} of this batch holds NaN or inf; refused")
+            raise NonFiniteError(f"expert {self.name!r}: output {index} of this batch holds NaN or inf; "
+                                 f"refused")
         return tuple(t.detach().cpu() for t in outputs)
 
     def backward(self, *inputs_and_grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

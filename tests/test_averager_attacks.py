@@ -9,25 +9,14 @@ import torch
 from plexus.averaging.aggregation import RobustAggregation
 from plexus.averaging.allreduce import AllReduceRunner
 from plexus.averaging.averager import DecentralizedAverager
-from plexus.dht.dht import DHT
 from plexus.optim.grad_averager import GradientAverager
 from plexus.optim.power_sgd_averager import PowerSGDGradientAverager
 from plexus.optim.state_averager import TrainingStateAverager
 from plexus.testing import wait_until
+from tests.test_grad_averager import swarm  # noqa: F401  (a module-wide swarm of four DHT peers)
 
 pytestmark = pytest.mark.timeout(60)
-LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5, start=True, target_group_size=4, min_group_size=4)
-
-
-@pytest.fixture(scope="module")
-def swarm():
-    first = DHT(start=True, host_maddrs=LOCAL)
-    dhts = [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL)
-                      for _ in range(3)]
-    yield dhts
-    for dht in dhts:
-        dht.shutdown()
 
 
 def values(seed: int) -> list[torch.Tensor]:
@@ -55,7 +44,7 @@ class WrongReducer(AllReduceRunner):
         return average * -3.0
 
 
-def test_nan_bomb_and_giant_weight_through_decentralized_averager(swarm):
+def test_nan_bomb_and_giant_weight_through_decentralized_averager(swarm):  # noqa: F811
     local = [values(i) for i in range(4)]
     local[3][0][:5] = float("nan")  # a few elements of one tensor
     originals = [[t.clone() for t in ts] for ts in local]
@@ -78,7 +67,7 @@ def test_nan_bomb_and_giant_weight_through_decentralized_averager(swarm):
             averager.shutdown()
 
 
-def test_robust_averager_bounds_huge_values_and_discards_a_wrong_reducer(swarm):
+def test_robust_averager_bounds_huge_values_and_discards_a_wrong_reducer(swarm):  # noqa: F811
     local = [values(i) for i in range(4)]
     local[3] = [t * 1e30 for t in local[3]]
     originals = [[t.clone() for t in ts] for ts in local]
@@ -105,7 +94,7 @@ def test_robust_averager_bounds_huge_values_and_discards_a_wrong_reducer(swarm):
             averager.shutdown()
 
 
-def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):
+def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):  # noqa: F811
     params = [[torch.nn.Parameter(t.clone()) for t in values(i)] for i in range(4)]
     grads = [values(10 + i) for i in range(4)]
     grads[3][1].fill_(float("inf"))
@@ -146,7 +135,7 @@ def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):
             state.shutdown()
 
 
-def test_a_newcomer_refuses_a_donors_nonfinite_state_and_loads_another(swarm):
+def test_a_newcomer_refuses_a_donors_nonfinite_state_and_loads_another(swarm):  # noqa: F811
     poisoned = DecentralizedAverager([torch.full((100,), float("nan"))], swarm[0], prefix="donors", start=True)
     good = DecentralizedAverager([torch.ones(100)], swarm[1], prefix="donors", start=True)
     newcomer = DecentralizedAverager([torch.zeros(100)], swarm[2], prefix="donors", start=True)

@@ -136,14 +136,15 @@ def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):  #
 
 
 def test_a_newcomer_refuses_a_donors_nonfinite_state_and_loads_another(swarm):  # noqa: F811
-    poisoned = DecentralizedAverager([torch.full((100,), float("nan"))], swarm[0], prefix="donors", start=True)
+    nan = torch.full((100,), float("nan"))
+    poisoned = DecentralizedAverager([nan], swarm[0], prefix="donors", start=True)
     good = DecentralizedAverager([torch.ones(100)], swarm[1], prefix="donors", start=True)
     newcomer = DecentralizedAverager([torch.zeros(100)], swarm[2], prefix="donors", start=True)
     try:
         poisoned.state_sharing_priority, good.state_sharing_priority = 2.0, 1.0  # the NaN one looks newest
         loaded = []  # donors declare themselves in the DHT shortly after starting
-        wait_until(lambda: loaded.append(newcomer.load_state_from_peers(timeout=10)) or loaded[-1] is not None,
-                   timeout=30, message="a donor's state was loaded")
+        wait_until(lambda: loaded.append(newcomer.load_state_from_peers(timeout=10))
+                   or loaded[-1] is not None, timeout=30, message="a donor's state was loaded")
         _, tensors = loaded[-1]
         assert torch.equal(tensors[0], torch.ones(100)), "the good donor's state, not the newer NaN one"
     finally:

@@ -54,7 +54,7 @@ _faults = RateLimitedLog(logger)  # one line per (peer, kind of fault) a minute,
 
 def log_peer_fault(peer: PeerID, what: str, message: str) -> None:
     """Log a peer's fault once per kind (`what` with its numbers blanked) and minute."""
-    _faults.warning((peer, re.sub(r"\d[\d.e+-]*", "#", what)), message)
+    _faults.warning((re.sub(r"\d[\d.e+-]*", "#", what), peer), message)
 
 
 class SenderExcluded(Exception):
@@ -241,7 +241,7 @@ class SpanReducer:
                     and state is not None and target.dtype == state.dtype)  # final: shared from there
         average, radius = state.average(target if in_place else None) if state is not None else (None, None)
         if isinstance(state, ClippedPart) and not state.converged:
-            _faults.warning("not converged", f"all-reduce {self.tag}: CenteredClip of part {index} did not "
+            _faults.warning(("centered clip not converged",), f"all-reduce {self.tag}: CenteredClip of part {index} did not "
                             f"converge in {state.iterations} steps; verifiers may reject it (is clip_radius "
                             f"far below the members' spread?)")
         if target is not None:

@@ -426,7 +426,7 @@ class _Download:
                 self._fail(donor, _DonorFailed(f"sent a manifest whose tensors do not decode: {error}"))
                 return None
             if self.reject_nonfinite and (bad := first_nonfinite(tensors)) is not None:
-                _refusals.warning((donor.peer_id, "nonfinite"), f"refusing the state {self.prefix!r} of "
+                _refusals.warning(("nonfinite state", donor.peer_id), f"refusing the state {self.prefix!r} of "
                                   f"{donor.peer_id}: its tensor {bad} holds NaN or inf")
                 self._fail(donor, _DonorFailed(f"sent a state whose tensor {bad} holds NaN or inf"))
                 return None
@@ -443,6 +443,21 @@ class _Download:
     def summary(self) -> str:
         reasons = {**self.notes, **self.failures}
         return "; ".join(f"{peer}: {reason}" for peer, reason in reasons.items()) or "no donor answered"
+
+
+async def stated_priority(host: Host, prefix: str, peer_id: PeerID, *, timeout: float) -> float | None:
+    """The priority (e.g. the epoch) of the state `peer_id` would serve under `prefix` now, as its
+    manifest states it; None when it does not share state there, breaks the protocol or does not
+    answer within `timeout`. This is how a reader checks a peer's claim to be ahead of the swarm."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    download = _Download(host, prefix, deadline, timeout, 1, 1, random.Random())
+    try:
+        async with asyncio.timeout(timeout):
+            manifest, _ = await download.fetch_manifest(Donor(peer_id, 0.0))
+    except Exception as error:  # unreachable, refusing, broken or too slow: the claim stays unconfirmed
+        logger.debug(f"{peer_id} did not state the priority of its state under {prefix!r}: {error!r}")
+        return None
+    return manifest.priority
 
 
 async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, timeout: float | None = None,

@@ -142,9 +142,11 @@ class Optimizer(torch.optim.Optimizer):
                 self.state_averager.main_parameters, dht=dht, prefix=f"{run_id}_grad_averager",
                 reuse_grad_buffers=reuse_grad_buffers, averaged_grads=averaged_grads, auxiliary=auxiliary,
                 compression=grad_compression, weight_limits=self._gradient_weight_limits, **round_opts)
+        # a peer's claim to be ahead of the swarm is checked against the state it serves (state_prefix)
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
-            status_loglevel=self.status_loglevel, **(tracker_opts or {}))
+            status_loglevel=self.status_loglevel,
+            **{"state_prefix": self.state_averager.prefix, **(tracker_opts or {})})
         self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (weights: its samples)
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
@@ -297,7 +299,7 @@ class Optimizer(torch.optim.Optimizer):
         else:
             for param in self.state_averager.main_parameters:
                 param.grad = None  # a local optimizer step must not see them either
-        _dropped_batches.warning("nonfinite", f"Non-finite local gradients (NaN or inf): {lost} dropped, "
+        _dropped_batches.warning(("nonfinite gradients",), f"Non-finite local gradients (NaN or inf): {lost} dropped, "
                                               "nothing of it reaches the swarm (logged once a minute)")
 
     def _gradient_weight_limits(self, peer_ids) -> dict[PeerID, float]:

@@ -3,6 +3,9 @@
 The library never prints; it logs through `get_logger(__name__)`. Applications (our CLIs, the
 example) call `use_plexus_log_handler()` once to get this format; the level comes from
 PLEXUS_LOGLEVEL (default INFO).
+
+Events a peer can cause at will (a refused connection, a request over a limit) go through
+`RateLimitedLog`, so a flooding peer gets one line that names it, not one line per attempt.
 """
 
 import logging
@@ -10,6 +13,7 @@ import os
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 _ROOT = "plexus"
 
@@ -29,32 +33,6 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name)
 
 
-class RateLimitedLog:
-    """Log each distinct event once per `interval` seconds (e.g. a peer's rejected record), so a
-    flooding peer cannot flood the log too. Remembers at most `max_events` recent events."""
-
-    def __init__(self, logger: logging.Logger, interval: float = 60.0, max_events: int = 1024,
-                 clock=time.monotonic):
-        self.logger, self.interval, self.max_events, self.clock = logger, interval, max_events, clock
-        self._last: OrderedDict = OrderedDict()
-
-    def log(self, level: int, event, message: str) -> bool:
-        """Log `message` unless `event` was logged less than `interval` ago; True if logged."""
-        now = self.clock()
-        last = self._last.get(event)
-        if last is not None and now - last < self.interval:
-            return False
-        self._last[event] = now
-        self._last.move_to_end(event)
-        while len(self._last) > self.max_events:
-            self._last.popitem(last=False)
-        self.logger.log(level, message)
-        return True
-
-    def warning(self, event, message: str) -> bool:
-        return self.log(logging.WARNING, event, message)
-
-
 def use_plexus_log_handler(level: str | None = None, stream=None) -> None:
     """Install the Plexus format on the `plexus` logger (idempotent)."""
     logger = logging.getLogger(_ROOT)
@@ -67,3 +45,43 @@ def use_plexus_log_handler(level: str | None = None, stream=None) -> None:
     handler._plexus = True
     logger.addHandler(handler)
     logger.propagate = False
+
+
+class RateLimitedLog:
+    """Log each kind of event once per `interval` per key, and at most `per_kind` lines per kind.
+
+    A key is `(kind, peer)` or any hashable whose first item is the kind ("connections per peer",
+    "ping rate", ...). Occurrences that were not logged are counted and reported with the next line
+    logged for the same kind, so nothing is lost but the repetition. Memory is bounded by `max_keys`.
+    """
+
+    def __init__(self, logger: logging.Logger, *, interval: float = 60.0, per_kind: int = 10,
+                 max_keys: int = 4096, clock: Callable[[], float] = time.monotonic):
+        self.logger, self.interval, self.per_kind, self.max_keys = logger, interval, per_kind, max_keys
+        self._clock = clock
+        self._last: OrderedDict[Hashable, float] = OrderedDict()  # key -> when it was last logged
+        self._kinds: dict[Hashable, list] = {}  # kind -> [window start, lines in window, suppressed]
+
+    def warning(self, key: tuple, message: str) -> bool:
+        return self.log(logging.WARNING, key, message)
+
+    def log(self, level: int, key: tuple, message: str) -> bool:
+        """Log `message` unless this key or its kind was logged too often lately; True if logged."""
+        now, kind = self._clock(), key[0]
+        window = self._kinds.setdefault(kind, [now, 0, 0])
+        if now - window[0] >= self.interval:
+            window[0], window[1] = now, 0
+        last = self._last.get(key)
+        if (last is not None and now - last < self.interval) or window[1] >= self.per_kind:
+            window[2] += 1
+            return False
+        self._last[key] = now
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        window[1] += 1
+        if window[2]:
+            message += f" ({window[2]} more like it not logged)"
+            window[2] = 0
+        self.logger.log(level, message)
+        return True

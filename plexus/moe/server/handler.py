@@ -240,7 +240,7 @@ class ConnectionHandler:
 
     @staticmethod
     def _refuse(peer: PeerID, problem: str):
-        _refusals.warning((peer, problem), f"refused a request of {peer}: {problem}")
+        _refusals.warning((problem, peer), f"refused a request of {peer}: {problem}")
         raise ExpertRequestError(f"{problem}; the request was refused and the expert left unchanged")
 
     @staticmethod

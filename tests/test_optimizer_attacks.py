@@ -19,6 +19,7 @@ from plexus.dht.dht import DHT
 from plexus.optim.optimizer import Optimizer
 from plexus.p2p.identity import PrivateKey
 from plexus.utils.logging import RateLimitedLog
+from plexus.utils.timing import get_dht_time
 from tests.test_optimizer_peer import FAST_TRACKER, LOCAL, start_threads
 from tests.test_optimizer_swarm import join
 
@@ -125,8 +126,11 @@ def test_gradient_weights_are_limited_by_the_progress_records():
             opt.grad_averager.accumulate_grads_(32)
             opt.zero_grad()
         opt.tracker.fetch_global_progress_now(timeout=10)
+        record = opt.tracker.peer_progress(dht.peer_id.to_bytes())
+        assert record is not None and record.samples_accumulated == 96
         (limit,) = opt.grad_averager.weight_limits([dht.peer_id]).values()
-        assert 2 * 96 <= limit <= 2 * 96 * 1.5, "twice the record's samples (plus its speed since)"
+        elapsed = get_dht_time() - record.time
+        assert 2 * 96 <= limit <= 2 * (96 + record.samples_per_second * elapsed), "twice the extrapolated record"
         stranger = opt.grad_averager.weight_limits([PrivateKey.generate().peer_id])
         assert stranger == {}, "no record, no limit: only max_weight_ratio bounds it"
     finally:

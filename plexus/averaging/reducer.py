@@ -241,9 +241,10 @@ class SpanReducer:
                     and state is not None and target.dtype == state.dtype)  # final: shared from there
         average, radius = state.average(target if in_place else None) if state is not None else (None, None)
         if isinstance(state, ClippedPart) and not state.converged:
-            _faults.warning(("centered clip not converged",), f"all-reduce {self.tag}: CenteredClip of part {index} did not "
-                            f"converge in {state.iterations} steps; verifiers may reject it (is clip_radius "
-                            f"far below the members' spread?)")
+            _faults.warning(("centered clip not converged",),
+                            f"all-reduce {self.tag}: CenteredClip of part {index} did not converge in "
+                            f"{state.iterations} steps; verifiers may reject it (is clip_radius far below "
+                            f"the members' spread?)")
         if target is not None:
             self.round._applied[self.me] = index + 1  # in place by the end of this call, or kept
             if self.round.verifying:

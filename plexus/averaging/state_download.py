@@ -426,8 +426,9 @@ class _Download:
                 self._fail(donor, _DonorFailed(f"sent a manifest whose tensors do not decode: {error}"))
                 return None
             if self.reject_nonfinite and (bad := first_nonfinite(tensors)) is not None:
-                _refusals.warning(("nonfinite state", donor.peer_id), f"refusing the state {self.prefix!r} of "
-                                  f"{donor.peer_id}: its tensor {bad} holds NaN or inf")
+                _refusals.warning(("nonfinite state", donor.peer_id),
+                                  f"refusing the state {self.prefix!r} of {donor.peer_id}: its tensor "
+                                  f"{bad} holds NaN or inf")
                 self._fail(donor, _DonorFailed(f"sent a state whose tensor {bad} holds NaN or inf"))
                 return None
             return metadata, tensors

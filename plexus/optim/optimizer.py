@@ -299,8 +299,8 @@ class Optimizer(torch.optim.Optimizer):
         else:
             for param in self.state_averager.main_parameters:
                 param.grad = None  # a local optimizer step must not see them either
-        _dropped_batches.warning(("nonfinite gradients",), f"Non-finite local gradients (NaN or inf): {lost} dropped, "
-                                              "nothing of it reaches the swarm (logged once a minute)")
+        _dropped_batches.warning(("nonfinite gradients",), f"Non-finite local gradients (NaN or inf): {lost} "
+                                                           "dropped, nothing of it reaches the swarm")
 
     def _gradient_weight_limits(self, peer_ids) -> dict[PeerID, float]:
         """A member of this epoch's gradient round weighs at most twice the samples its progress

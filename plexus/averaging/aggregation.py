@@ -7,8 +7,9 @@ value is added (`bounded_weights`): by a per-member limit the caller knows (for 
 the samples the member's progress record justifies), and by `max_weight_ratio` times the lower
 median of the group's positive weights, so that no member stating a huge weight can make the
 average its own. In robust mode every member of positive weight counts once (`equal_weights`), as
-in BTARD: nobody can check a member's sample count, CenteredClip holds only while attackers carry
-under half of the weight, and equal weights let every verifier know exactly what each member got.
+in BTARD's setting, where every peer computes its gradient on a batch of the same size: nobody can
+check a member's sample count, CenteredClip holds only while attackers carry under half of the
+weight, and equal weights let every verifier know exactly what each member got.
 
 Plain mode (`MeanPart`): `acc += w * x` as contributions arrive (float32, float64 for float64
 tensors), `average = acc / sum(w)` when the part completes: one accumulator per part in flight.

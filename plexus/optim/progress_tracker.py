@@ -207,6 +207,7 @@ class ProgressTracker:
         self._swarm_speed = 0.0
         self.fetch_count = 0
         """How many times the swarm's progress was read (to tell a fresh estimate from an old one)."""
+        self._peer_reports: dict[bytes, LocalTrainingProgress] = {}  # peer id -> its record, as last read
         self._loop = dht._background.loop
         self._wake_reporter = self._wake_fetcher = None
         self._tasks: list = []
@@ -339,6 +340,11 @@ class ProgressTracker:
     def estimated_next_update_time(self) -> float:
         return self.global_progress.eta_next_epoch
 
+    def peer_progress(self, peer_id: bytes) -> LocalTrainingProgress | None:
+        """The record of `peer_id` (its bytes) as the last fetch read it, if it counted then."""
+        with self._lock:
+            return self._peer_reports.get(peer_id)
+
     def fetch_global_progress_now(self, timeout: float | None = None) -> GlobalTrainingProgress:
         return asyncio.run_coroutine_threadsafe(self._fetch(), self._loop).result(timeout)
 
@@ -371,6 +377,7 @@ class ProgressTracker:
         with self._lock:
             self.global_progress = progress
             self.fetch_count += 1
+            self._peer_reports = reports
         logger.log(self.status_loglevel,
                    f"{self.prefix} accumulated {progress.samples_accumulated} samples for epoch #{progress.epoch} "
                    f"from {progress.num_peers} peers. ETA {max(0.0, progress.eta_next_epoch - now):.2f} sec "

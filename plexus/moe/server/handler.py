@@ -2,11 +2,13 @@
 
 Every request is checked against the expert's schema before anything is decoded or queued: the
 uid must be served here, the tensor count must match, each tensor must have the descriptor's
-dtype and non-batch shape, all must share one batch size in [1, max_batch_size]. Unary requests
-are checked by their tensors' headers before any tensor is decoded; in the streaming variants each
-tensor's header chunk is checked as it arrives, before its data is buffered. A request that fails
-a check gets an error naming the expert, the tensor and what was expected; nothing else is
-affected. The RPC layer answers garbage bytes the same way. Each call, reading included, is
+dtype and non-batch shape, all must share one batch size in [1, max_batch_size], and hold no NaN
+or inf. Unary requests are checked by their tensors' headers before any tensor is decoded; in the
+streaming variants each tensor's header chunk is checked as it arrives, before its data is
+buffered. A request that fails a check gets an error naming the expert, the tensor and what was
+expected; nothing else is affected. A batch that turns out non-finite anyway (`NonFiniteError`)
+fails every request in it, and leaves the expert as it was. Refusals are logged once a minute per
+peer and kind. The RPC layer answers garbage bytes the same way. Each call, reading included, is
 bounded by `request_timeout`.
 
 One peer may have at most `max_requests_per_peer` forward and backward calls under way at once
@@ -32,6 +34,7 @@ from ...p2p import rpc
 from ...p2p.host import Host
 from ...p2p.identity import PeerID
 from ...utils.logging import RateLimitedLog, get_logger
+from ...utils.tensors import first_nonfinite
 from ..messages import (
     BACKWARD_PROTOCOL,
     BACKWARD_STREAM_PROTOCOL,
@@ -51,10 +54,11 @@ from ..messages import (
     unary_message,
 )
 from ..schema import BatchTensorDescriptor
-from .module_backend import ModuleBackend
+from .module_backend import ModuleBackend, NonFiniteError
 from .runtime import TaskRejected
 
 logger = get_logger(__name__)
+_refusals = RateLimitedLog(logger)
 
 DEFAULT_REQUEST_TIMEOUT = 120.0
 DEFAULT_MAX_REQUESTS_PER_PEER = 64  # a mixture's forward sends one call per chosen expert of a server
@@ -80,7 +84,6 @@ class ConnectionHandler:
         self.host, self.module_backends, self.request_timeout = host, module_backends, request_timeout
         self.max_requests_per_peer = max_requests_per_peer
         self._under_way: dict[PeerID, int] = {}
-        self._refusals = RateLimitedLog(logger)
 
     def register(self) -> None:
         for protocol in PROTOCOLS:
@@ -105,9 +108,9 @@ class ConnectionHandler:
         peer = context.remote_peer
         count = self._under_way.get(peer, 0)
         if count >= self.max_requests_per_peer:
-            self._refusals.warning(("expert requests per peer", peer),
-                                   f"refused a {context.protocol} call from {peer}: it has {count} calls "
-                                   f"under way (max_requests_per_peer={self.max_requests_per_peer})")
+            _refusals.warning(("expert requests per peer", peer),
+                              f"refused a {context.protocol} call from {peer}: it has {count} calls "
+                              f"under way (max_requests_per_peer={self.max_requests_per_peer})")
             raise ExpertRequestError(f"too many calls from you under way ({count}, the server's "
                                      f"max_requests_per_peer); wait for some to finish")
         self._under_way[peer] = count + 1
@@ -133,19 +136,19 @@ class ConnectionHandler:
         async with self._serving(context):
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors)
-            return self._unary_response(await self._run(backend, inputs, False, context.remote_peer))
+            return self._unary_response(await self._run(backend, inputs, context.remote_peer, backward=False))
 
     async def rpc_backward(self, request: ExpertRequest, context: rpc.RPCContext) -> ExpertResponse:
         async with self._serving(context):
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors, backward=True)
-            return self._unary_response(await self._run(backend, inputs, True, context.remote_peer))
+            return self._unary_response(await self._run(backend, inputs, context.remote_peer, backward=True))
 
     async def rpc_forward_stream(self, requests: AsyncIterator[ExpertRequest],
                                  context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
         async with self._serving(context):
             backend, inputs = await self._collect(requests, backward=False)
-            outputs = await self._run(backend, inputs, False, context.remote_peer)
+            outputs = await self._run(backend, inputs, context.remote_peer, backward=False)
         for chunks in stream_messages(outputs):
             yield ExpertResponse(chunks)
 
@@ -153,7 +156,7 @@ class ConnectionHandler:
                                   context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
         async with self._serving(context):
             backend, inputs = await self._collect(requests, backward=True)
-            grads = await self._run(backend, inputs, True, context.remote_peer)
+            grads = await self._run(backend, inputs, context.remote_peer, backward=True)
         for chunks in stream_messages(grads):
             yield ExpertResponse(chunks)
 
@@ -248,19 +251,29 @@ class ConnectionHandler:
 
     # --- compute ------------------------------------------------------------------------------------
 
-    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor], backward: bool,
-                   peer: PeerID) -> list[SerializedTensor]:
+    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor], peer: PeerID,
+                   backward: bool) -> list[SerializedTensor]:
+        if (index := first_nonfinite(inputs)) is not None:
+            self._refuse(peer, f"expert {backend.name!r}: {self._describe(backend, index)} holds NaN or inf")
         pool = backend.backward_pool if backward else backend.forward_pool
         try:
             future = pool.submit_task(*inputs, owner=peer)
         except TaskRejected as error:
             raise ExpertRequestError(str(error)) from None
-        outputs = await future
+        try:
+            outputs = await future
+        except NonFiniteError as error:
+            self._refuse(peer, str(error))
         schema = backend.schema.grad_inputs_schema if backward else backend.schema.outputs_schema
         if len(outputs) != len(schema):
             raise RuntimeError(f"expert {backend.name!r} produced {len(outputs)} tensors, its schema says "
                                f"{len(schema)}")
         return serialize_tensors(outputs, schema)
+
+    @staticmethod
+    def _refuse(peer: PeerID, problem: str):
+        _refusals.warning((problem, peer), f"refused a request of {peer}: {problem}")
+        raise ExpertRequestError(f"{problem}; the request was refused and the expert left unchanged")
 
     @staticmethod
     def _unary_response(serialized: list[SerializedTensor]) -> ExpertResponse:

@@ -31,7 +31,8 @@ The attacks (whatever limits the code under test has, they meet them; nothing he
 - key-flood: 100,000 small keys stored on the victim, 1,024 per request, 8 requests in flight.
 - subkey-stuffing: 100,000 sub-keys stored under the honest client's shared dictionary key.
 - sybils: `--sybils` DHT nodes in the attacker's process join through the victim and look around
-  until they fill the honest routing tables; then the process is frozen (SIGSTOP), as a machine
+  until they fill the honest routing tables, then answer the honest side for SETTLE_SECONDS (5 s)
+  while their process goes quiet; then the process is frozen (SIGSTOP), as a machine
   that lost power or a Sybil operator going silent at once. They share 127.0.0.1 with the honest
   nodes, which the routing tables do not limit (loopback is exempt), so this measures how lookups
   and tables cope with the frozen ids alone. The notes give the victim's routing table at the
@@ -87,6 +88,7 @@ EXPERT_UID = "ffn.0"
 FLOOD_KEYS = 100_000
 OP_TIMEOUT = 10.0  # an honest operation that takes longer counts as failed
 FIRST_SECONDS = 5.0  # the Sybil notes split the attack window here
+SETTLE_SECONDS = 5.0  # the Sybils answer honest work this long before they freeze
 
 
 def node_options(attack: str) -> dict:
@@ -251,19 +253,27 @@ async def sybils(args) -> None:
     if args.attack == "sybils-one-address":
         bind_outgoing_sockets(SYBIL_IP)
         listen = (f"/ip4/{SYBIL_IP}/tcp/0",)
-    nodes, slots = [], asyncio.Semaphore(16)
+    # The Sybils spend no CPU on upkeep (200 nodes share this process): no cache refreshes, no
+    # liveness checks of their own, and patience with each other
+    options = {"cache_refresh_before_expiry": 0, "wait_timeout": 10.0}
+    if "liveness" in inspect.signature(DHTNode.create).parameters:
+        from plexus.dht.liveness import LivenessOptions
+        options["liveness"] = LivenessOptions(stale_after=None, sweep_interval=None)
+    nodes, failures, slots = [], [], asyncio.Semaphore(16)
 
     async def join() -> None:
         async with slots:
             host = await dialing_host(target, listen)
-            nodes.append(await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[peer],
-                                              cache_refresh_before_expiry=0))
+            try:
+                node = await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[peer], **options)
+                nodes.append(node)
+            except (OSError, TimeoutError) as error:  # DHTBootstrapError is a ConnectionError
+                failures.append(repr(error))
 
-    await asyncio.gather(*(join() for _ in range(args.sybils)), return_exceptions=True)
+    await asyncio.gather(*(join() for _ in range(args.sybils)))
     for _ in range(2):  # look around, so that every honest node meets (and answers) them
-        await asyncio.gather(*(node.find_nearest_nodes([DHTID.generate()]) for node in nodes),
-                             return_exceptions=True)
-    say(ready=True, joined=len(nodes))
+        await asyncio.gather(*(node.find_nearest_nodes([DHTID.generate()]) for node in nodes))
+    say(ready=True, joined=len(nodes), failed=len(failures))
     while True:
         await asyncio.sleep(3600)  # frozen by the benchmark from here on
 
@@ -450,6 +460,9 @@ async def run_dht_attack(name: str, args) -> dict:
             if name.startswith("sybils"):
                 for node in nodes[:-1]:  # honest lookups meet the Sybils while they still answer
                     await node.find_nearest_nodes([DHTID.generate() for _ in range(4)])
+                # the Sybils settle (the attacker's process goes quiet, as one that joined a while
+                # ago), while the honest client works among them; then the freeze
+                await honest_dht_loop(client, target.peer_id, shared, SETTLE_SECONDS, victim, round_number)
                 table_before = victim.lines[-1][1]["table"]
                 attacker.process.send_signal(signal.SIGSTOP)
                 frozen_at = time.monotonic()

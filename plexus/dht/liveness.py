@@ -48,7 +48,7 @@ class LivenessOptions:
     sweep_interval: float | None = 10.0
     """Least time between two sweeps that failed requests start (None: no sweeps); after a quiet
     entry failed its ping, `stale_after` instead."""
-    sweep_concurrency: int = 64
+    sweep_concurrency: int = 128
     """Pings of one sweep in flight at once."""
 
     def __post_init__(self):

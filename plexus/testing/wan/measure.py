@@ -34,6 +34,8 @@ class MeasureOptions:
     is about 1/sqrt(udp_count * loss)."""
     udp_interval: float = 0.002
     """Seconds between datagrams; keep it above twice the jitter, or ordering lifts the delay."""
+    udp_size: int = 100
+    """Bytes of each datagram's payload (at least 20)."""
     tcp_seconds: float = 3.0
     """How long the TCP stream sends; on long fat paths leave room for slow start (see `warmup`)."""
     warmup: float | None = None
@@ -111,7 +113,8 @@ class PathProber:
         if options.udp_count > 0:
             drain = str(2 * path.rtt + 4 * path.jitter + 0.5)
             udp = self._run(client, "udp", host, "--count", str(options.udp_count), "--interval",
-                            str(options.udp_interval), "--drain", drain, *reverse)
+                            str(options.udp_interval), "--size", str(options.udp_size), "--drain", drain,
+                            *reverse)
         throughput = None
         if options.tcp_seconds > 0:
             tcp = self._run(client, "tcp", host, "--seconds", str(options.tcp_seconds), *reverse)

@@ -19,6 +19,12 @@ list of packets) and a heap of the slot numbers in use. Holding a packet is a di
 append; the next deadline is a heap peek. Release times are rounded to the nearest slot, so each
 packet leaves within half a tick of its time and the mean delay is exact.
 
+Scheduling. A forwarder that waits for a core adds the wait to every packet it holds, and a busy
+machine makes that milliseconds: TCP takes it for queueing (HyStart leaves slow start, the RTT
+estimate grows). With `--realtime` the forwarder runs under SCHED_FIFO, so it is on a core within
+microseconds of a packet's arrival or release time; it only uses CPU while the lab's traffic
+flows, and the kernel's real-time throttling caps it below a full core in any case.
+
 Cost. A TUN device hands out one packet per read, so each costs a read, a write, a dict lookup
 and a random number; the driver reads every packet waiting (up to READ_BATCH) before it releases
 the due ones, and sleeps in `select` with a microsecond timeout in between (with the timer slack
@@ -56,6 +62,7 @@ TUNSETIFF, TUNSETOFFLOAD = 0x400454CA, 0x400454D0
 IFF_TUN, IFF_NO_PI, IFF_VNET_HDR = 0x0001, 0x1000, 0x4000
 TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6, TUN_F_TSO_ECN = 0x01, 0x02, 0x04, 0x08
 PR_SET_TIMERSLACK = 29
+REALTIME_PRIORITY = 10  # SCHED_FIFO; above every normal process, below the kernel's own threads
 # struct virtio_net_hdr: flags, gso_type, hdr_len, gso_size, csum_start, csum_offset (little-endian)
 VNET_HEADER = struct.Struct("<BBHHHH")
 NEEDS_CSUM, GSO_NONE, GSO_TCPV4, GSO_ECN = 0x01, 0x00, 0x01, 0x80
@@ -265,6 +272,17 @@ def _lower_timer_slack() -> None:
         pass
 
 
+def _run_first() -> None:
+    """Take a core the moment a packet arrives: SCHED_FIFO, or the highest nice value we may have."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+    except (PermissionError, OSError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, -10)
+        except PermissionError:
+            pass  # an unprivileged run: the delays will show the machine's scheduling
+
+
 def _emit(event: str, **fields) -> None:
     sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
     sys.stdout.flush()
@@ -326,11 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dev", default="tun0", help="name of the TUN device to create")
     parser.add_argument("--no-offload", action="store_true", help="one packet per read, of at most --mtu")
     parser.add_argument("--mtu", type=int, default=MAX_READ, help="the links' MTU (without offloads)")
-    parser.add_argument("--nice", type=int, default=0, help="scheduling priority (negative: sooner)")
+    parser.add_argument("--realtime", action="store_true", help="run under SCHED_FIFO (else nice -10)")
     parser.add_argument("--lab", default="", help="the lab's name (only to tell its processes apart)")
     args = parser.parse_args(argv)
-    if args.nice:
-        os.setpriority(os.PRIO_PROCESS, 0, args.nice)
+    if args.realtime:
+        _run_first()
     control = _Lines(sys.stdin.fileno())
     config = json.loads(control.read_line())
     offload = not args.no_offload

@@ -66,11 +66,10 @@ class LabOptions:
     congestion_control: str = "cubic"
     """TCP congestion control in the peers' namespaces: "cubic" (Linux's default, most of the
     internet's), "reno", or "bbr" (which ignores random loss); the kernel must offer it."""
-    forwarder_nice: int = -10
-    """Scheduling priority of the forwarder (nice value; negative needs root, which the lab has).
-    On a busy machine a forwarder that waits for a core adds that wait to every packet's delay,
-    which TCP (HyStart, RTT estimates) takes for congestion; -10 lets it run first without
-    starving others, as it only works while packets flow."""
+    realtime: bool = True
+    """Run the forwarder under SCHED_FIFO (else, or where refused, nice -10): on a busy machine a
+    forwarder that waits for a core adds milliseconds to every packet's delay, which TCP takes for
+    congestion. It only uses CPU while the lab's packets flow."""
     start_timeout: float = 10.0
     """How long the forwarder may take to report ready."""
 
@@ -188,7 +187,7 @@ class WanLab:
         process = self.namespaces.spawn("core", [sys.executable, "-S", FORWARDER, "--dev", TUN_DEVICE,
                                                  "--mtu", str(self.options.mtu),
                                                  *(() if self.options.offload else ("--no-offload",)),
-                                                 "--nice", str(self.options.forwarder_nice),
+                                                 *(("--realtime",) if self.options.realtime else ()),
                                                  "--lab", self.namespaces.tag])
         self.forwarder = PeerProcess("forwarder", process)
         config = {"paths": paths, "tick": self.options.tick, "seed": self.options.seed}

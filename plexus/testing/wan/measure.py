@@ -89,7 +89,8 @@ class PathProber:
         self.lab, self.options = lab, options or MeasureOptions()
         self._servers: dict[str, PeerProcess] = {}
 
-    def _server(self, name: str) -> str:
+    def server(self, name: str) -> str:
+        """The address of a probe server in `name`'s namespace (started on first use)."""
         if name not in self._servers:
             server = self.lab.probe(name, "serve")
             server.wait_for("ready", PROBE_TIMEOUT)
@@ -105,7 +106,7 @@ class PathProber:
         if lab.profiles[b].nat and lab.profiles[a].nat:
             raise UsageError(f"{a} and {b} are both behind NATs: no direct path to measure")
         client, server, reverse = (b, a, ["--reverse"]) if lab.profiles[b].nat else (a, b, [])
-        host = self._server(server)
+        host = self.server(server)
         rtts = []
         if options.rtt_count > 0:
             rtts = self._run(client, "rtt", host, "--count", str(options.rtt_count))["samples"]

@@ -2,14 +2,16 @@
 
     python probe.py serve [--port 5201]             TCP and UDP services, until stdin ends
     python probe.py rtt HOST [--count 20]            TCP round trips of 32 bytes (TCP_NODELAY)
+    python probe.py setup HOST [--count 10]          fresh connections: connect, then a first answer
     python probe.py tcp HOST [--seconds 5]           one TCP stream's throughput at the receiver
     python probe.py udp HOST [--count 2000]          one-way delay and loss of paced UDP datagrams
 
 `--reverse` makes the server the sender (tcp, udp), so that a peer behind a NAT can measure its
 downlink: it connects out, as it must. Results are one JSON line each (`{"event": "rtt", ...}`)
 with the raw samples, so the caller computes its own statistics. All namespaces of a lab share
-the machine's monotonic clock, so a datagram's one-way delay is its arrival time minus the send
-time it carries.
+the machine's clock, so a datagram's one-way delay is its arrival time minus the send time it
+carries; the arrival time is the kernel's (SO_TIMESTAMPNS), so a receiver that waits for a core
+does not add that wait to the path's delay.
 
 TCP services, picked by the first byte: E echoes; S sinks and answers the byte count per 0.1 s
 bin from the first byte on (so slow start can be told apart); R sends for the requested seconds;
@@ -32,7 +34,9 @@ import time
 DEFAULT_PORT = 5201
 BIN = 0.1  # seconds per throughput bin
 CHUNK = 1 << 20
-DATAGRAM = struct.Struct("!8sId")  # session, sequence number, send time (monotonic)
+DATAGRAM = struct.Struct("!8sId")  # session, sequence number, send time (time.time(), the kernel's clock)
+TIMESPEC = struct.Struct("@ll")  # what SO_TIMESTAMPNS hands over: seconds, nanoseconds
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux's value on x86 and ARM; Python 3.11 lacks it
 QUERY = struct.Struct("!8sId")  # session, datagrams sent, seconds to wait for the missing ones
 UDP_REQUEST = struct.Struct("!c8sIdI")  # b"Q", session, count, interval, size
 SECONDS = struct.Struct("!d")
@@ -96,7 +100,25 @@ def send_datagrams(sock: socket.socket, address, session: bytes, count: int, int
     for sequence in range(count):
         if (wait := started + sequence * interval - time.monotonic()) > 0:
             time.sleep(wait)  # pacing the datagrams, not waiting for anything
-        sock.sendto(DATAGRAM.pack(session, sequence, time.monotonic()) + padding, address)
+        sock.sendto(DATAGRAM.pack(session, sequence, time.time()) + padding, address)
+
+
+def stamped_socket() -> socket.socket:
+    """A UDP socket whose datagrams carry the kernel's arrival time, with room to queue a session."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    return sock
+
+
+def receive_stamped(sock: socket.socket) -> tuple[bytes, tuple, float]:
+    """One datagram, its sender and its arrival time (the kernel's; ours if it gave none)."""
+    data, ancillary, _, address = sock.recvmsg(65536, socket.CMSG_SPACE(TIMESPEC.size))
+    for level, kind, value in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            seconds, nanoseconds = TIMESPEC.unpack(value[:TIMESPEC.size])
+            return data, address, seconds + nanoseconds * 1e-9
+    return data, address, time.time()
 
 
 def udp_result(count: int, record: list[tuple[int, float]]) -> dict:
@@ -110,8 +132,7 @@ def udp_result(count: int, record: list[tuple[int, float]]) -> dict:
 class Server:
     def __init__(self, port: int):
         self.tcp = socket.create_server(("0.0.0.0", port))
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.udp = stamped_socket()
         self.udp.bind(("0.0.0.0", port))
         self.sessions: dict[bytes, list[tuple[int, float]]] = {}
         self.arrived = threading.Condition()
@@ -148,8 +169,7 @@ class Server:
 
     def _receive_udp(self) -> None:
         while True:
-            data, address = self.udp.recvfrom(65536)
-            now = time.monotonic()
+            data, address, now = receive_stamped(self.udp)
             if len(data) == UDP_REQUEST.size and data[:1] == b"Q":
                 _, session, count, interval, size = UDP_REQUEST.unpack(data)
                 count = min(count, MAX_DATAGRAMS)
@@ -193,6 +213,20 @@ def measure_rtt(host: str, port: int, count: int, interval: float) -> list[float
         return samples
 
 
+def measure_setup(host: str, port: int, count: int) -> list[tuple[float, float]]:
+    """For fresh connections: (seconds to connect, seconds to the first 32-byte answer)."""
+    samples = []
+    for _ in range(count):
+        started = time.monotonic()
+        with socket.create_connection((host, port), timeout=TIMEOUT) as connection:
+            connected = time.monotonic()
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.sendall(b"E" + b"x" * 31)
+            recv_exactly(connection, 31)
+            samples.append((connected - started, time.monotonic() - started))
+    return samples
+
+
 def measure_tcp(host: str, port: int, seconds: float, reverse: bool) -> dict:
     with socket.create_connection((host, port), timeout=TIMEOUT) as connection:
         if reverse:
@@ -206,7 +240,7 @@ def measure_tcp(host: str, port: int, seconds: float, reverse: bool) -> dict:
 def measure_udp(host: str, port: int, count: int, interval: float, size: int, drain: float,
                 reverse: bool) -> dict:
     session = os.urandom(8)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    with stamped_socket() as sock:
         if reverse:
             record = _receive_session(sock, (host, port), session, count, interval, size, drain)
             return udp_result(count, record)
@@ -218,17 +252,15 @@ def measure_udp(host: str, port: int, count: int, interval: float, size: int, dr
 
 def _receive_session(sock, address, session: bytes, count: int, interval: float, size: int, drain: float):
     """Ask the server for a session and record it, until all came or `drain` s after the last was due."""
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.sendto(UDP_REQUEST.pack(b"Q", session, count, interval, size), address)
     deadline = time.monotonic() + count * interval + drain
     record = []
     while len(record) < count and (left := deadline - time.monotonic()) > 0:
         sock.settimeout(left)
         try:
-            data = sock.recv(65536)
+            data, _, received = receive_stamped(sock)
         except TimeoutError:
             break
-        received = time.monotonic()
         if len(data) >= DATAGRAM.size and data[:8] == session:
             _, sequence, sent = DATAGRAM.unpack_from(data)
             record.append((sequence, received - sent))
@@ -237,10 +269,11 @@ def _receive_session(sock, address, session: bytes, count: int, interval: float,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=("serve", "rtt", "tcp", "udp"))
+    parser.add_argument("mode", choices=("serve", "rtt", "setup", "tcp", "udp"))
     parser.add_argument("host", nargs="?", help="the server's address (not for serve)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--count", type=int, default=None, help="round trips (20) or datagrams (2000)")
+    parser.add_argument("--count", type=int, default=None,
+                        help="round trips (20), connections (10) or datagrams (2000)")
     parser.add_argument("--interval", type=float, default=None, help="seconds between probes (0.01 / 0.001)")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long the TCP stream sends")
     parser.add_argument("--size", type=int, default=100, help="bytes per UDP datagram")
@@ -257,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.mode} needs the server's address")
     if args.mode == "rtt":
         emit("rtt", samples=measure_rtt(args.host, args.port, args.count or 20, args.interval or 0.01))
+    elif args.mode == "setup":
+        emit("setup", samples=measure_setup(args.host, args.port, args.count or 10))
     elif args.mode == "tcp":
         emit("tcp", **measure_tcp(args.host, args.port, args.seconds, args.reverse))
     else:

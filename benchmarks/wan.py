@@ -12,8 +12,8 @@ the configured links and next to plain TCP, as a ratio where that helps.
   forwarder  the lab's own ceiling: one TCP stream through the forwarder with no delay and no rate
              limit, with and without offloads, and the latency the lab adds at zero delay
   setup      a fresh connection to the first RPC answer, in RTTs, on 150 ms (plain TCP: connect + echo)
-  dht        32 nodes on home links (30 ms): store, then get(latest=True) p50/p99 in RTTs, first
-             with cold connections, then again
+  dht        32 nodes on home links (30 ms): join, store, then get(latest=True) p50/p99 in RTTs,
+             one operation at a time (first with cold connections, then again)
   bulk       one stream's steady throughput on 1 Gbit/s x 150 ms, Plexus and plain TCP
   allreduce  8 peers on 100 Mbit/s x 30 ms: DecentralizedAverager rounds and gloo's all_reduce
 
@@ -24,7 +24,6 @@ marked "(load X)", as the lab's processes then wait for cores and every wait sho
 import argparse
 import asyncio
 import json
-import math
 import os
 import statistics
 import sys
@@ -42,6 +41,8 @@ PORT = 4001
 BIN = 0.1
 CHUNK = 1 << 20
 TIMEOUT = 600.0
+DHT_JOIN_BATCH = 4
+DHT_WIDE_WORKERS = 16  # requests in flight per lookup in the last get round (the DHT's default is 4)
 HOME_100 = LinkProfile(down=100e6, up=100e6, rtt=0.030)  # the all-reduce's symmetric 100 Mbit/s links
 
 
@@ -84,7 +85,8 @@ def row_lab(args) -> None:
                                                 tcp_seconds=12 if not args.quick else 5))
         for a, b in pairs:
             rows.append(format_row(prober.measure(a, b)))
-        rows.append(f"| forwarder | {json.dumps({k: v for k, v in lab.forwarder_stats().items() if k != 'paths'})}"
+        counters = {key: value for key, value in lab.forwarder_stats().items() if key != "paths"}
+        rows.append(f"| forwarder | {json.dumps(counters)}"
                     " | | | | | |")
         prober.close()
     table("The lab's links, plain TCP/UDP (MTU 1500, offloads, CUBIC)", HEADER, rows)
@@ -119,7 +121,7 @@ def row_setup(args) -> None:
         prober = PathProber(lab)
         host = prober.server("b")
         plain = lab.probe("a", "setup", host, "--count", str(count)).wait_for("setup", TIMEOUT)["samples"]
-        measured_rtt = statistics.median(prober.measure("a", "b", MeasureOptions(udp_count=0, tcp_seconds=0)).rtts)
+        measured_rtt = prober.measure("a", "b", MeasureOptions(udp_count=0, tcp_seconds=0)).rtt
         server = peer(lab, "b", "server", lab.address("b"))
         maddr = server.wait_for("ready", TIMEOUT)["maddr"]
         plexus = peer(lab, "a", "setup", maddr, str(count)).wait_for("setup", TIMEOUT)
@@ -138,7 +140,7 @@ def row_setup(args) -> None:
 
 
 def row_dht(args) -> None:
-    """DHT store and get(latest=True) with `--dht-nodes` nodes on home links."""
+    """DHT store and get(latest=True) with `--dht-nodes` nodes on home links, one operation at a time."""
     n = args.dht_nodes
     names = [f"n{i}" for i in range(n)]
     with WanLab({name: "home" for name in names}, seed=2) as lab:
@@ -146,32 +148,40 @@ def row_dht(args) -> None:
         prober = PathProber(lab, MeasureOptions(rtt_count=20, udp_count=0, tcp_seconds=0))
         measured_rtt = prober.measure(names[1], names[2]).rtt
         prober.close()
-        first = peer(lab, names[0], "dht", lab.address(names[0]), "0", str(n))
-        maddr = first.wait_for("ready", TIMEOUT)["maddr"]
-        started = time.monotonic()
-        nodes = [first] + [peer(lab, name, "dht", lab.address(name), str(i), str(n), maddr)
-                           for i, name in enumerate(names[1:], start=1)]
-        for node in nodes:
-            node.wait_for("ready", TIMEOUT)
-        joined = time.monotonic() - started
+        nodes = [peer(lab, name, "dht", lab.address(name), str(i), str(n)) for i, name in enumerate(names)]
+        for node in nodes:  # every process imports torch first (seconds of CPU each): not part of joining
+            node.wait_for("loaded", TIMEOUT)
+        nodes[0].send("join")
+        maddr = nodes[0].wait_for("ready", TIMEOUT)["maddr"]
+        joins = []
+        for start in range(1, n, DHT_JOIN_BATCH):
+            batch = nodes[start:start + DHT_JOIN_BATCH]
+            for node in batch:
+                node.send(f"join {maddr}")
+            joins += [node.wait_for("ready", TIMEOUT)["seconds"] for node in batch]
+        stores = []
         for node in nodes:
             node.send("store")
-        stores = [node.wait_for("stored", TIMEOUT)["seconds"] for node in nodes]
+            stores.append(node.wait_for("stored", TIMEOUT)["seconds"])
         results = {}
-        for round_name in ("cold", "warm"):
+        wide = f"again, {DHT_WIDE_WORKERS} requests in flight"
+        for round_name, workers in (("first", 4), ("again", 4), (wide, DHT_WIDE_WORKERS)):
+            got = []
             for node in nodes:
                 node.events.pop("got", None)
-                node.send("get")
-            got = [node.wait_for("got", TIMEOUT) for node in nodes]
+                node.send(f"get {workers}")
+                got.append(node.wait_for("got", TIMEOUT))
             results[round_name] = ([s for g in got for s in g["seconds"]], sum(g["found"] for g in got),
                                    sum(len(g["seconds"]) for g in got))
         for node in nodes:
             node.finish()
-    rows = [f"| store (5 replicas) | 1 | {rtts(stores, rtt)} | {n} / {n} |"]
+    rows = [f"| join (ping + lookup of itself), {DHT_JOIN_BATCH} at a time | 2 | {rtts(joins, rtt)} | |",
+            f"| store (5 replicas) | 1 | {rtts(stores, rtt)} | |"]
     for round_name, (seconds, found, total) in results.items():
         rows.append(f"| get(latest=True), {round_name} | 1 | {rtts(seconds, rtt)} | {found} / {total} |")
     table(f"DHT, {n} nodes on home links (RTT {rtt * 1e3:.0f} ms configured, {measured_rtt * 1e3:.1f} ms "
-          f"plain TCP), all joined in {joined:.1f} s",
+          f"plain TCP); one operation at a time, 8 keys of other nodes per node and round; lookups keep "
+          f"4 requests in flight (the default) unless said otherwise",
           "| operation | lower bound (RTT) | p50 / p99 (RTT) | found |", rows)
 
 
@@ -191,9 +201,11 @@ def row_bulk(args) -> None:
         server.finish()
     bound = path.tcp_bound
     rows = [f"| plain TCP | {format_rate(plain)} | {plain / bound:.2f} | 1.00 |",
-            f"| Plexus stream (Noise + yamux) | {format_rate(plexus)} | {plexus / bound:.2f} | {plexus / plain:.2f} |"]
-    table(f"One stream on {format_rate(path.rate)} x {path.rtt * 1e3:.0f} ms (BDP {path.bdp / 2**20:.1f} MiB), "
-          f"steady rate after {warmup:.0f} s of {seconds:.0f} s; bound {format_rate(bound)} (the link's goodput)",
+            f"| Plexus stream (Noise + yamux) | {format_rate(plexus)} | {plexus / bound:.2f} | "
+            f"{plexus / plain:.2f} |"]
+    table(f"One stream on {format_rate(path.rate)} x {path.rtt * 1e3:.0f} ms (BDP {path.bdp / 2**20:.1f} "
+          f"MiB), steady rate after {warmup:.0f} s of {seconds:.0f} s; bound {format_rate(bound)} "
+          f"(the link's goodput)",
           "| sender | throughput | x link goodput | x plain TCP |", rows)
 
 
@@ -205,10 +217,11 @@ def row_allreduce(args) -> None:
     with WanLab({name: HOME_100 for name in names}) as lab:
         master = lab.address(names[0])
         env = {"GLOO_SOCKET_IFNAME": "eth0"}
-        first = peer(lab, names[0], "allreduce", lab.address(names[0]), "0", str(n), str(mib), master, env=env)
-        maddr = first.wait_for("ready", TIMEOUT)["maddr"]
-        peers = [first] + [peer(lab, name, "allreduce", lab.address(name), str(i), str(n), str(mib), master, maddr,
-                                env=env) for i, name in enumerate(names[1:], start=1)]
+        args_of = [str(n), str(mib), master]
+        first = peer(lab, names[0], "allreduce", lab.address(names[0]), "0", *args_of, env=env)
+        maddr = first.wait_for("dht", TIMEOUT)["maddr"]  # then it waits for the others in gloo's rendezvous
+        peers = [first] + [peer(lab, name, "allreduce", lab.address(name), str(i), *args_of, maddr, env=env)
+                           for i, name in enumerate(names[1:], start=1)]
         for node in peers:
             node.wait_for("ready", TIMEOUT)
         times = {"plexus": [], "gloo": []}
@@ -310,30 +323,36 @@ async def role_bulk(maddr: str, seconds: float) -> None:
     emit("bulk", bins=json.loads(reply))
 
 
-def role_dht(ip: str, index: int, n: int, initial: list[str]) -> None:
+def role_dht(ip: str, index: int, n: int) -> None:
     import random
 
     from plexus.dht.dht import DHT
     from plexus.utils.timing import get_dht_time
 
-    dht = DHT(initial_peers=initial, host_maddrs=[f"/ip4/{ip}/tcp/{PORT}"], start=True)
-    emit("ready", maddr=str(dht.get_visible_maddrs()[0]))
+    emit("loaded")
+    dht = None
     for command in stdin_lines():
-        if command == "store":
+        if command.startswith("join"):
+            started = time.monotonic()
+            dht = DHT(initial_peers=command.split()[1:], host_maddrs=[f"/ip4/{ip}/tcp/{PORT}"], start=True)
+            emit("ready", maddr=str(dht.get_visible_maddrs()[0]), seconds=time.monotonic() - started)
+        elif command == "store":
             started = time.monotonic()
             ok = dht.store(f"wan-key-{index}", {"from": index}, get_dht_time() + 600)
             emit("stored", seconds=time.monotonic() - started, ok=bool(ok))
-        elif command == "get":
-            rng = random.Random(index)
-            others = rng.sample([i for i in range(n) if i != index], min(8, n - 1))
+        elif command.startswith("get"):
+            workers = int(command.split()[1])
+            others = random.Random(index).sample([i for i in range(n) if i != index], min(8, n - 1))
             seconds, found = [], 0
             for other in others:
                 started = time.monotonic()
-                value = dht.get(f"wan-key-{other}", latest=True)
+                key = f"wan-key-{other}"
+                value = dht.run_coroutine(lambda _, node: node.get(key, latest=True, num_workers=workers))
                 seconds.append(time.monotonic() - started)
                 found += value is not None and value.value == {"from": other}
             emit("got", seconds=seconds, found=found)
-    dht.shutdown()
+    if dht is not None:
+        dht.shutdown()
 
 
 def role_allreduce(ip: str, index: int, n: int, mib: int, master: str, initial: list[str]) -> None:
@@ -345,12 +364,13 @@ def role_allreduce(ip: str, index: int, n: int, mib: int, master: str, initial: 
 
     torch.set_num_threads(1)
     dht = DHT(initial_peers=initial, host_maddrs=[f"/ip4/{ip}/tcp/{PORT}"], start=True)
+    emit("dht", maddr=str(dht.get_visible_maddrs()[0]))
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{PORT + 1}", rank=index, world_size=n)
     tensor = torch.full((mib * 2**18,), float(index))
     expected = (n - 1) / 2
     averager = DecentralizedAverager([tensor], dht, prefix="wanbench", target_group_size=n, min_group_size=n,
                                      min_matchmaking_time=5.0, request_timeout=5.0, start=True)
-    emit("ready", maddr=str(dht.get_visible_maddrs()[0]))
+    emit("ready")
     rounds = {"plexus": 0, "gloo": 0}
     for command in stdin_lines():
         if command not in rounds:
@@ -385,7 +405,7 @@ def run_role(argv: list[str]) -> None:
     elif role == "bulk":
         asyncio.run(role_bulk(rest[0], float(rest[1])))
     elif role == "dht":
-        role_dht(rest[0], int(rest[1]), int(rest[2]), rest[3:])
+        role_dht(rest[0], int(rest[1]), int(rest[2]))
     elif role == "allreduce":
         role_allreduce(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), rest[4], rest[5:])
     else:
@@ -396,7 +416,8 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--role":
         run_role(sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--dht-nodes", type=int, default=32)
     parser.add_argument("--allreduce-peers", type=int, default=8)
@@ -406,9 +427,10 @@ def main() -> None:
     reason = missing_prerequisite(("ip", "tc", "nft"))
     if reason is not None:
         raise SystemExit(f"the WAN lab cannot run here: {reason}")
-    print(f"{os.cpu_count()} CPUs; profiles: " + ", ".join(
-        f"{name} {format_rate(p.down)}/{format_rate(p.up)} {p.rtt * 1e3:g} ms"
-        + (f" {p.loss:.1%} loss" if p.loss else "") + (" NAT" if p.nat else "") for name, p in PROFILES.items()))
+    profiles = [f"{name} {format_rate(p.down)}/{format_rate(p.up)} {p.rtt * 1e3:g} ms"
+                + (f" {p.loss:.1%} loss" if p.loss else "") + (" NAT" if p.nat else "")
+                for name, p in PROFILES.items()]
+    print(f"{os.cpu_count()} CPUs; profiles: " + ", ".join(profiles))
     for name in args.rows:
         ROWS[name](args)
 

@@ -26,8 +26,10 @@
     timeout = 300
 
 Programs run inside their peer's namespace with PLEXUS_LAB_PEER (its name), PLEXUS_LAB_ADDRESS (the
-address to listen on) and PLEXUS_LAB_PEERS (JSON: every peer's name -> address others can reach,
-null for peers behind NATs) in their environment, in the order of the [[run]] tables. A scenario
+address to listen on), PLEXUS_LAB_PEERS (JSON: every peer's name -> address others can reach, null
+for peers behind NATs) and PLEXUS_LAB_DIR (a directory all of them share, removed afterwards, e.g.
+for the first peer to leave its multiaddr in) in their environment, in the order of the [[run]]
+tables. A scenario
 with neither [measure] nor [[run]] measures the star. Link fields: down, up ("100mbit"), rtt,
 jitter, queue ("30ms"), loss ("0.5%"), nat (true/false).
 """
@@ -38,6 +40,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -202,12 +205,17 @@ class ProgramResult:
 
 def run_programs(lab, programs: list[Program]) -> list[ProgramResult]:
     """Start every program in its peer's namespace, wait for all, and collect how each ended."""
+    with tempfile.TemporaryDirectory(prefix="plexus-lab-") as shared:
+        return _run_programs(lab, programs, shared)
+
+
+def _run_programs(lab, programs: list[Program], shared: str) -> list[ProgramResult]:
     directory = {name: (None if profile.nat else lab.address(name)) for name, profile in lab.profiles.items()}
     running = []
     for program in programs:
         for peer in program.peers:
             env = dict(os.environ, PLEXUS_LAB_PEER=peer, PLEXUS_LAB_ADDRESS=lab.address(peer),
-                       PLEXUS_LAB_PEERS=json.dumps(directory), PYTHONUNBUFFERED="1")
+                       PLEXUS_LAB_PEERS=json.dumps(directory), PLEXUS_LAB_DIR=shared, PYTHONUNBUFFERED="1")
             process = lab.spawn(peer, _resolve_python(program.command), env=env, stderr=subprocess.STDOUT)
             tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
             reader = threading.Thread(target=tail.extend, args=(process.stdout,), daemon=True)

@@ -15,17 +15,17 @@ removed whatever happens. Needs root, iproute2 and nftables (`.ci/run` installs 
 the test skips, except under CI=true, where it fails.
 """
 
-import collections
 import json
 import os
-import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from plexus.testing.netns import NAT_RULES, Namespaces, PeerProcess, emit
+from tests.netns_support import require_lab
 
 REPO = Path(__file__).resolve().parents[1]
 PEER_TIMEOUT = 60.0
@@ -34,73 +34,14 @@ PEER_TIMEOUT = 60.0
 # --- the lab -----------------------------------------------------------------------------------------
 
 
-def _missing_prerequisite() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    for tool in ("ip", "nft"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (apt-get install iproute2 nftables)"
-    probe = f"pxprobe{os.getpid()}"
-    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if result.returncode != 0:
-        return f"`ip netns add` failed: {result.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def require_lab() -> None:
-    reason = _missing_prerequisite()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason} -- CI must run the NAT tests", pytrace=False)
-        pytest.skip(reason)
-
-
-ROUTER_RULES = """
-table ip nat {
-    chain postrouting { type nat hook postrouting priority srcnat; policy accept; oifname "wan" masquerade; }
-}
-table inet filter {
-    chain forward { type filter hook forward priority filter; policy accept;
-                    iifname "wan" ct state != { established, related } drop; }
-    chain input { type filter hook input priority filter; policy accept;
-                  iifname "wan" ct state != { established, related } drop; }
-}
-"""
-
-
-class NatLab:
-    """Creates the namespaces above; `close()` removes all of them (and what runs inside)."""
+class NatLab(Namespaces):
+    """The namespaces above; `close()` removes all of them (and what runs inside)."""
 
     def __init__(self):
-        tag = f"{os.getpid() % 100000}"
-        self.ns = {name: f"px{tag}{name}" for name in ("pub", "r1", "r2", "a", "b")}
-        self.processes: list[subprocess.Popen] = []
-
-    def sh(self, *args: str, ns: str | None = None, stdin: str | None = None) -> str:
-        command = (["ip", "netns", "exec", self.ns[ns]] if ns else []) + list(args)
-        result = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=30)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()}")
-        return result.stdout
-
-    def ip(self, ns: str, *args: str) -> None:
-        self.sh("ip", "-n", self.ns[ns], *args)
-
-    def veth(self, ns1: str, name1: str, ns2: str, name2: str) -> None:
-        self.sh("ip", "link", "add", "pxtmp1", "type", "veth", "peer", "name", "pxtmp2")
-        self.sh("ip", "link", "set", "pxtmp1", "netns", self.ns[ns1])
-        self.sh("ip", "link", "set", "pxtmp2", "netns", self.ns[ns2])
-        self.ip(ns1, "link", "set", "pxtmp1", "name", name1)
-        self.ip(ns2, "link", "set", "pxtmp2", "name", name2)
+        super().__init__("pxnat")
 
     def build(self) -> "NatLab":
-        for ns in self.ns.values():
-            self.sh("ip", "netns", "add", ns)
-        for name in self.ns:
-            self.ip(name, "link", "set", "lo", "up")
+        self.add("pub", "r1", "r2", "a", "b")
         self.ip("pub", "link", "add", "br0", "type", "bridge")
         self.ip("pub", "addr", "add", "10.200.0.1/24", "dev", "br0")
         self.ip("pub", "link", "set", "br0", "up")
@@ -116,67 +57,14 @@ class NatLab:
             self.ip(peer, "addr", "add", f"10.200.{index}.2/24", "dev", "eth0")
             self.ip(peer, "link", "set", "eth0", "up")
             self.ip(peer, "route", "add", "default", "via", f"10.200.{index}.1")
-            self.sh("sysctl", "-q", "-w", "net.ipv4.ip_forward=1", ns=router)
-            self.sh("nft", "-f", "-", ns=router, stdin=ROUTER_RULES)
+            self.sysctl(router, "net.ipv4.ip_forward=1")
+            self.nft(router, NAT_RULES)
         return self
 
-    def spawn(self, ns: str, *args: str) -> "PeerProcess":
-        command = ["ip", "netns", "exec", self.ns[ns], sys.executable, "-m", "tests.test_nat", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, env=env)
-        self.processes.append(process)
+    def start_peer(self, ns: str, *args: str) -> PeerProcess:
+        process = self.spawn(ns, [sys.executable, "-m", "tests.test_nat", *args],
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=str(REPO))
         return PeerProcess(ns, process)
-
-    def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        for ns in self.ns.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-class PeerProcess:
-    """A peer subprocess; threads collect its JSON events (stdout) and the tail of its log (stderr)."""
-
-    def __init__(self, name: str, process: subprocess.Popen):
-        self.name, self.process = name, process
-        self.events: dict[str, dict] = {}
-        self._arrived = threading.Condition()
-        self._log: collections.deque[str] = collections.deque(maxlen=60)
-        threading.Thread(target=self._read_events, daemon=True).start()
-        threading.Thread(target=lambda: self._log.extend(process.stderr), daemon=True).start()
-
-    def _read_events(self) -> None:
-        for line in self.process.stdout:
-            if line.startswith("{"):
-                message = json.loads(line)
-                with self._arrived:
-                    self.events[message["event"]] = message
-                    self._arrived.notify_all()
-        with self._arrived:
-            self._arrived.notify_all()
-
-    def wait_for(self, event: str, timeout: float = PEER_TIMEOUT) -> dict:
-        """Wait until the peer reports `event`; fail with its log if it exits or the deadline passes."""
-        deadline = time.monotonic() + timeout
-        with self._arrived:
-            while event not in self.events:
-                left = deadline - time.monotonic()
-                if self.process.poll() is not None or left <= 0:
-                    break
-                self._arrived.wait(min(left, 1.0))
-        if event not in self.events:
-            self.process.kill()
-            self.process.wait()
-            why = f"exited with {self.process.returncode}" if self.process.returncode else f"timed out ({timeout} s)"
-            log = "".join(self._log)
-            raise AssertionError(f"peer {self.name} {why} before reporting {event!r}; its log:\n{log}")
-        return self.events[event]
-
-    def finish(self) -> None:
-        self.process.stdin.close()
 
 
 # --- the test ------------------------------------------------------------------------------------
@@ -193,16 +81,16 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
     try:
         lab.build()
         # The routers really are NATs: the public side cannot open a connection to a private peer.
-        assert "unreachable" in lab.sh(sys.executable, "-c", PROBE % ("10.200.1.2", 9), ns="pub")
-        public = lab.spawn("pub", "public", "10.200.0.1")
+        assert "unreachable" in lab.run(sys.executable, "-c", PROBE % ("10.200.1.2", 9), ns="pub")
+        public = lab.start_peer("pub", "public", "10.200.0.1")
         relay = public.wait_for("ready")["maddrs"][0]
-        a = lab.spawn("a", "private", "10.200.1.2", relay, "a", "b", punch)
-        b = lab.spawn("b", "private", "10.200.2.2", relay, "b", "a", punch)
+        a = lab.start_peer("a", "private", "10.200.1.2", relay, "a", "b", punch)
+        b = lab.start_peer("b", "private", "10.200.2.2", relay, "b", "a", punch)
         for peer in (a, b):
             ready = peer.wait_for("ready")
             assert all("/p2p-circuit" in addr for addr in ready["advertised"]), ready
         if punch == "relay-only":  # `plexus doctor` from behind a NAT, while the peers start up
-            doctor = subprocess.run(["ip", "netns", "exec", lab.ns["a"], sys.executable, "-m", "plexus.cli.main",
+            doctor = subprocess.run(["ip", "netns", "exec", lab.full("a"), sys.executable, "-m", "plexus.cli.main",
                                      "doctor", "--peer", relay, "--host_maddrs", "/ip4/10.200.1.2/tcp/0", "--json",
                                      "--timeout", "10"], cwd=REPO, capture_output=True, text=True, timeout=60)
             diagnosis = json.loads(doctor.stdout)
@@ -238,7 +126,7 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
         print("ping rtt (s):", {name: round(results[name]["rtt"], 4) for name in results})
         if os.environ.get("PLEXUS_NAT_LOGS"):
             for peer in (public, a, b):
-                print(peer.name, "".join(peer._log))
+                print(peer.name, peer.log)
     finally:
         lab.close()
 
@@ -254,10 +142,6 @@ except OSError as error:
 
 
 # --- what runs inside each namespace ------------------------------------------------------------------
-
-
-def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 def peer_main(argv: list[str]) -> None:

@@ -379,7 +379,7 @@ def test_too_many_streams():
         (encode_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 2, 0), "belongs to us"),
         (encode_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0) * 2, "twice"),
         (encode_header(TYPE_DATA, FLAG_SYN, 1, MIB + 1), "window"),
-        (encode_header(TYPE_DATA, 0, 99, 17 * MIB), "exceeds"),
+        (encode_header(TYPE_DATA, 0, 99, 65 * MIB), "exceeds"),  # past the 64 MiB largest window
         (encode_header(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, (1 << 32) - 1), "send window"),
     ],
 )

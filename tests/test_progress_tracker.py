@@ -3,9 +3,9 @@
 import pytest
 
 from plexus.dht.dht import DHT
-from plexus.optim.performance_ema import PerformanceEMA
 from plexus.optim.progress_tracker import ProgressTracker
 from plexus.testing import wait_until
+from plexus.utils.performance_ema import PerformanceEMA
 from plexus.utils.timing import get_dht_time
 
 pytestmark = pytest.mark.timeout(60)

@@ -23,8 +23,8 @@ from ..dht.crypto import Ed25519SignatureValidator
 from ..dht.dht import DHT
 from ..dht.schema import BytesWithPublicKey, SchemaValidator
 from ..utils.logging import get_logger
+from ..utils.performance_ema import PerformanceEMA
 from ..utils.timing import get_dht_time
-from .performance_ema import PerformanceEMA
 
 logger = get_logger(__name__)
 

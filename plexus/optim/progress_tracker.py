@@ -21,7 +21,9 @@ import pydantic
 
 from ..dht.crypto import Ed25519SignatureValidator
 from ..dht.dht import DHT
+from ..dht.rsa import RSAPrivateKey, RSASignatureValidator
 from ..dht.schema import BytesWithPublicKey, SchemaValidator
+from ..p2p.identity import PrivateKey
 from ..utils.logging import get_logger
 from ..utils.performance_ema import PerformanceEMA
 from ..utils.timing import get_dht_time
@@ -66,7 +68,10 @@ class ProgressTracker:
                  min_refresh_period: float = 0.5, max_refresh_period: float = 10.0,
                  default_refresh_period: float = 3.0, expected_drift_peers: float = 3,
                  expected_drift_rate: float = 0.2, performance_ema_alpha: float = 0.1,
-                 metadata_expiration: float = 60.0, status_loglevel: int = logging.DEBUG, start: bool = True):
+                 metadata_expiration: float = 60.0, status_loglevel: int = logging.DEBUG, start: bool = True,
+                 private_key: PrivateKey | RSAPrivateKey | None = None):
+        """`private_key` signs this peer's records: the DHT's own Ed25519 identity by default, or
+        the key given (an Ed25519 PrivateKey, or an RSAPrivateKey as hivemind's records use)."""
         if not min_refresh_period <= default_refresh_period <= max_refresh_period:
             raise ValueError("refresh periods must satisfy min <= default <= max")
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
@@ -77,7 +82,8 @@ class ProgressTracker:
         self.metadata_expiration, self.status_loglevel = metadata_expiration, status_loglevel
         self.training_progress_key = f"{prefix}_progress"
         self.performance_ema = PerformanceEMA(alpha=performance_ema_alpha)
-        signer = Ed25519SignatureValidator(dht.private_key)
+        signer = (RSASignatureValidator(private_key) if isinstance(private_key, RSAPrivateKey)
+                  else Ed25519SignatureValidator(private_key or dht.private_key))
         self._subkey = signer.local_public_key
         dht.add_validators([signer, SchemaValidator(TrainingProgressSchema, prefix=prefix)])
         self._lock = threading.Lock()

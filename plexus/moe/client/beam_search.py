@@ -139,6 +139,28 @@ class MoEBeamSearcher:
             return [self._remote(infos) for infos in found]
         return self.dht.run_coroutine(search, return_future=return_future)
 
+    async def get_initial_beam_async(self, node: DHTNode, scores: Sequence[float],
+                                     beam_size: int) -> list[tuple[float, ExpertPrefix, Successors]]:
+        """The first step of a search: (score, prefix, successors) of the `beam_size` best-scoring
+        populated prefixes `uid_prefix{i}.` of the first dimension, best first. Prefixes are looked
+        up best first, `beam_size` per DHT lookup, until enough are found or none are left."""
+        scores = _as_floats(scores)
+        order = sorted(range(len(scores)), key=lambda index: -scores[index])
+        beam = []
+        while order and len(beam) < beam_size:
+            batch, order = order[:beam_size], order[beam_size:]
+            prefixes = [f"{self.uid_prefix}{index}{UID_DELIMITER}" for index in batch]
+            found = await self.fetch_successors(node, prefixes)
+            beam += [(scores[index], prefix, found[prefix])
+                     for index, prefix in zip(batch, prefixes) if found[prefix]]
+        return beam[:beam_size]
+
+    def get_initial_beam(self, scores: Sequence[float], beam_size: int, return_future: bool = False):
+        """`get_initial_beam_async` from any thread (hivemind's API)."""
+        async def fetch(dht, node):
+            return await self.get_initial_beam_async(node, scores, beam_size)
+        return self.dht.run_coroutine(fetch, return_future=return_future)
+
     def get_active_successors(self, prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
         """The populated next coordinates of each prefix, as read from the DHT now."""
         async def fetch(dht, node):

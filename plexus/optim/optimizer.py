@@ -57,7 +57,7 @@ from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
-from .grad_averager import GradientAverager
+from .grad_averager import GradientAverager, GradientAveragerFactory
 from .grad_scaler import GradScaler
 from .progress_tracker import ProgressTracker
 from .state_averager import StateLoadError, TrainingStateAverager
@@ -71,6 +71,8 @@ class Optimizer(torch.optim.Optimizer):
     params=model.parameters())`, then `loss.backward(); opt.step(); opt.zero_grad()` as usual.
 
     See hivemind's documentation for every argument; the names and defaults are the same.
+    `grad_averager_factory` builds the gradient averager from (parameters, dht=, prefix=, ...), e.g.
+    `functools.partial(PowerSGDGradientAverager, averager_rank=32)` (default: GradientAverager).
     """
 
     def __init__(self, *, dht: DHT, run_id: str, target_batch_size: int, batch_size_per_step: int | None = None,
@@ -86,6 +88,7 @@ class Optimizer(torch.optim.Optimizer):
                  load_state_compression: CompressionBase = NoCompression(),
                  average_opt_statistics: Sequence[str] = (), extra_tensors: Sequence[torch.Tensor] = (),
                  averager_opts: dict | None = None, tracker_opts: dict | None = None,
+                 grad_averager_factory: GradientAveragerFactory | None = None,
                  performance_ema_alpha: float = 0.1, shutdown_timeout: float = 5, verbose: bool = False):
         client_mode = dht.client_mode if client_mode is None else client_mode
         delay_optimizer_step = delay_grad_averaging if delay_optimizer_step is None else delay_optimizer_step
@@ -124,13 +127,13 @@ class Optimizer(torch.optim.Optimizer):
                     if copy.grad is None:
                         copy.grad = torch.zeros_like(copy)
                 averaged_grads = tuple(copy.grad for copy in copies)
-            self.grad_averager = GradientAverager(
+            self.grad_averager = (grad_averager_factory or GradientAverager)(
                 self.state_averager.main_parameters, dht=dht, prefix=f"{run_id}_grad_averager",
                 reuse_grad_buffers=reuse_grad_buffers, averaged_grads=averaged_grads, auxiliary=auxiliary,
                 compression=grad_compression, **round_opts)
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
-            status_loglevel=self.status_loglevel, **(tracker_opts or {}))
+            **{"status_loglevel": self.status_loglevel, **(tracker_opts or {})})
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet

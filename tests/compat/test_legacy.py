@@ -114,3 +114,28 @@ def test_a_script_of_that_era_runs_unchanged_with_two_peers():
     finally:
         if first.poll() is None:
             first.kill()
+
+
+def test_hiveminds_asyncio_helpers_and_mpfuture():
+    import asyncio
+    import multiprocessing as mp
+
+    from hivemind.utils import MPFuture, amap_in_executor, as_aiter, enter_asynchronously
+
+    async def main():
+        first, second = mp.Lock(), mp.Lock()
+
+        async def nested():  # more waiters than a thread pool has threads: none may starve the others
+            async with enter_asynchronously(first):
+                await asyncio.sleep(0)
+                async with enter_asynchronously(second):
+                    await asyncio.sleep(0)
+
+        await asyncio.wait_for(asyncio.gather(*(nested() for _ in range(40))), timeout=30)
+        sums = [x async for x in amap_in_executor(lambda a, b: a + b, as_aiter(1, 2, 3), as_aiter(10, 20, 30),
+                                                  max_prefetch=2)]
+        future = MPFuture()
+        asyncio.get_running_loop().call_soon(future.set_result, "done")
+        return sums, await future, first.acquire(block=False)
+
+    assert asyncio.run(main()) == ([11, 22, 33], "done", True)

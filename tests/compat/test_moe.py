@@ -73,6 +73,12 @@ def test_declarations_return_every_record_and_the_initial_beam_is_scored():
         beam = searcher.get_initial_beam((3, 2, 1, 0, -1, -2, -3), beam_size=3)
         assert [entry[:2] for entry in beam] == [(2.0, "expert.1."), (1.0, "expert.2."), (0.0, "expert.3.")]
         assert beam[0][2][-1] == ExpertInfo("expert.1", dht.peer_id)
+        short = searcher.find_best_experts([(0.0, 1.0, 2.0, 3.0)], beam_size=2)  # fewer scores than the grid
+        assert [expert.uid for expert in short] == ["expert.3", "expert.2"]
+        with pytest.raises(ValueError):
+            MoEBeamSearcher(dht, "expert.1.ffn", (2, 2))
+        with pytest.raises(ValueError):
+            searcher.get_active_successors(["expert.", "expert.2"])
     finally:
         dht.shutdown()
 

@@ -21,7 +21,7 @@ from ...dht.node import DHTNode
 from ...utils.logging import get_logger
 from ...utils.timing import get_dht_time
 from ..expert_registry import EMPTY_PREFIX_SUBKEY, learn_addresses, parse_successors
-from ..expert_uid import UID_DELIMITER, ExpertInfo, ExpertPrefix
+from ..expert_uid import UID_DELIMITER, ExpertInfo, ExpertPrefix, is_valid_prefix
 from .beam import BeamSearch, Successors
 from .expert import RemoteExpert
 
@@ -49,6 +49,8 @@ class MoEBeamSearcher:
                  negative_caching: bool = True, cache_expiration: float = 300):
         if not uid_prefix.endswith(UID_DELIMITER):
             uid_prefix += UID_DELIMITER
+        if not is_valid_prefix(uid_prefix):
+            raise ValueError(f"{uid_prefix!r} is not a valid uid prefix (a name and coordinates, e.g. 'ffn.')")
         if not grid_size or any(int(size) < 1 for size in grid_size):
             raise ValueError(f"grid_size must be a non-empty sequence of positive sizes, got {grid_size}")
         self.dht, self.uid_prefix, self.grid_size = dht, uid_prefix, tuple(int(size) for size in grid_size)
@@ -92,7 +94,8 @@ class MoEBeamSearcher:
         searches = []
         for grid_scores in batch_grid_scores:
             scores = [_as_floats(s) for s in grid_scores]
-            if tuple(len(s) for s in scores) != self.grid_size:
+            # as in hivemind, a dimension may be scored short: coordinates past its scores are not chosen
+            if len(scores) != len(self.grid_size) or any(len(s) > n for s, n in zip(scores, self.grid_size)):
                 raise ValueError(f"scores of sizes {[len(s) for s in scores]} do not fit grid_size "
                                  f"{self.grid_size}")
             searches.append(BeamSearch(self.uid_prefix, scores, beam_size))
@@ -163,6 +166,10 @@ class MoEBeamSearcher:
 
     def get_active_successors(self, prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
         """The populated next coordinates of each prefix, as read from the DHT now."""
+        bad = [prefix for prefix in prefixes if not is_valid_prefix(prefix)]
+        if bad:
+            raise ValueError(f"invalid prefixes {bad[:3]}: a prefix ends with the delimiter, e.g. 'ffn.3.'")
+
         async def fetch(dht, node):
             return await self.fetch_successors(node, list(prefixes))
         return self.dht.run_coroutine(fetch)

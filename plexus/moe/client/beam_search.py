@@ -50,7 +50,7 @@ class MoEBeamSearcher:
         if not uid_prefix.endswith(UID_DELIMITER):
             uid_prefix += UID_DELIMITER
         if not is_valid_prefix(uid_prefix):
-            raise ValueError(f"{uid_prefix!r} is not a valid uid prefix (a name and coordinates, e.g. 'ffn.')")
+            raise ValueError(f"{uid_prefix!r} is not a valid uid prefix (a name, coordinates, e.g. 'ffn.')")
         if not grid_size or any(int(size) < 1 for size in grid_size):
             raise ValueError(f"grid_size must be a non-empty sequence of positive sizes, got {grid_size}")
         self.dht, self.uid_prefix, self.grid_size = dht, uid_prefix, tuple(int(size) for size in grid_size)

@@ -186,6 +186,11 @@ class Optimizer(torch.optim.Optimizer):
         return self.tracker.local_progress
 
     @property
+    def scheduled_grads(self) -> StepControl | None:
+        """This epoch's pre-scheduled gradient round, if any (hivemind's attribute)."""
+        return self._scheduled_grads
+
+    @property
     def use_gradient_averaging(self) -> bool:
         return self.grad_averager is not None
 

@@ -72,8 +72,11 @@ class ProgressTracker:
                  private_key: PrivateKey | RSAPrivateKey | None = None):
         """`private_key` signs this peer's records: the DHT's own Ed25519 identity by default, or
         the key given (an Ed25519 PrivateKey, or an RSAPrivateKey as hivemind's records use)."""
-        if not min_refresh_period <= default_refresh_period <= max_refresh_period:
-            raise ValueError("refresh periods must satisfy min <= default <= max")
+        if min_refresh_period > max_refresh_period:
+            raise ValueError(f"min_refresh_period={min_refresh_period} exceeds "
+                             f"max_refresh_period={max_refresh_period}")
+        # hivemind accepts a default outside [min, max] (tracker_opts often set only max): clip it
+        default_refresh_period = min(max(default_refresh_period, min_refresh_period), max_refresh_period)
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         self.min_refresh_period, self.max_refresh_period = min_refresh_period, max_refresh_period
@@ -116,6 +119,10 @@ class ProgressTracker:
 
     async def _run(self) -> None:
         await asyncio.gather(self._report_loop(), self._fetch_loop())
+
+    def is_alive(self) -> bool:
+        """Whether the reporting and fetching loops still run (until `shutdown`)."""
+        return bool(self._tasks) and not self._tasks[0].done()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop both loops and tell the swarm we left (stores None under our sub-key)."""
@@ -201,6 +208,11 @@ class ProgressTracker:
             logger.debug(f"could not publish training progress: {error!r}")
 
     # --- fetching ----------------------------------------------------------------------------------
+
+    @property
+    def global_epoch(self) -> int:
+        """The swarm's epoch as last read (the highest among non-client peers)."""
+        return self.global_progress.epoch
 
     @property
     def ready_to_update_epoch(self) -> bool:

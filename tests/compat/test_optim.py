@@ -32,8 +32,11 @@ def test_grad_averager_factory_builds_the_optimizers_gradient_averager(dht_pair)
         assert isinstance(opt.grad_averager, PowerSGDGradientAverager)
         model(torch.randn(4, 8)).sum().backward()
         opt.step()
+        assert opt.tracker.global_epoch == opt.local_epoch and opt.tracker.is_alive()
+        assert opt.scheduled_grads is None or not opt.scheduled_grads.done()
     finally:
         opt.shutdown()
+    assert not opt.tracker.is_alive()
 
 
 def test_each_download_gets_the_donors_current_state(dht_pair):

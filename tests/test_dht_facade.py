@@ -106,7 +106,7 @@ def test_plexus_dht_command_prints_initial_peers_and_stops_on_sigterm():
         with DHT(initial_peers=[address], start=True, host_maddrs=LOCAL) as joiner:
             assert joiner.store("hello", "world", get_dht_time() + 60)
         deadline = time.monotonic() + 10
-        while "storing 1 keys" not in process.stderr.readline():
+        while "Local storage contains 1 keys" not in process.stderr.readline():
             assert time.monotonic() < deadline, "the status line never showed the stored key"
         process.send_signal(signal.SIGTERM)
         assert process.wait(10) == 0

@@ -5,10 +5,10 @@ import pytest
 from plexus.dht.crypto import Ed25519SignatureValidator
 from plexus.dht.dht import DHT
 from plexus.dht.routing import DHTID
-from plexus.p2p.identity import PrivateKey
-from plexus.optim.performance_ema import PerformanceEMA
 from plexus.optim.progress_tracker import ProgressTracker
+from plexus.p2p.identity import PrivateKey
 from plexus.testing import wait_until
+from plexus.utils.performance_ema import PerformanceEMA
 from plexus.utils.serializer import MSGPackSerializer
 from plexus.utils.timing import get_dht_time
 

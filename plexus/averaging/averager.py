@@ -114,6 +114,10 @@ class DecentralizedAverager:
         self._lock = threading.Lock()
         self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
             CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]
+        if target_group_size is not None and min_group_size > target_group_size:
+            logger.warning(f"min_group_size={min_group_size} exceeds target_group_size={target_group_size}: "
+                           f"groups form only when full (taking min_group_size={target_group_size})")
+            min_group_size = target_group_size
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.initial_group_bits, self.min_matchmaking_time = initial_group_bits, min_matchmaking_time
         self.request_timeout, self.averaging_alpha, self.part_size_bytes = request_timeout, averaging_alpha, part_size_bytes

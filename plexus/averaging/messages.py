@@ -153,8 +153,11 @@ class VerifyVerdict(Message):
 
 
 def base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
-    """The method that actually encodes a tensor of `info` (adaptive wrappers resolved)."""
-    while isinstance(compression, AdaptiveCompressionBase):
+    """The method that will encode this part. Adaptive wrappers are looked through (so that a part
+    that goes uncompressed is sent as a view, without a copy) only while they delegate in the
+    standard way: a wrapper that overrides `compress` (to count, log or adjust) is called itself."""
+    while (isinstance(compression, AdaptiveCompressionBase)
+           and type(compression).compress is AdaptiveCompressionBase.compress):
         compression = compression.choose_compression(info)
     return compression
 

@@ -9,20 +9,22 @@ ride along so that a newcomer whose DHT never met the donor can still dial it. I
 `STATE_PROTOCOL` (messages in `state_messages.py`) through one handler per host that dispatches
 by prefix. The newcomer side is `state_download.py`.
 
-A MANIFEST request gets a *snapshot*: `get_current_state()` is called in a worker thread under
-`state_lock`, and its tensors are copied before the lock is let go, so whoever changes them under
-that lock (a training thread; the averager publishing a round) never leaks into a snapshot, and a
-training thread holding the lock never stalls the event loop.
+A MANIFEST request gets a *snapshot* of the state as it is now: `get_current_state()` is called
+in a worker thread under `state_lock`, and its tensors are copied before the lock is let go, so
+whoever changes them under that lock (a training thread; the averager publishing a round) never
+leaks into a snapshot, and a training thread holding the lock never stalls the event loop.
 No lock is held across an await, so donors keep serving while they average. Serializing (with
-`state_compression`) and hashing the copy happens in a worker thread. A snapshot younger than
-`snapshot_max_age` is reused unless the priority (the epoch) changed since; its manifest states
-the priority read together with the state, which newcomers trust over the DHT declaration (that
-one may lag a step behind). Concurrent requests share one being built, so a crowd of newcomers
-costs one snapshot. At most `MAX_SNAPSHOTS` are kept; one nobody has fetched from for
-`snapshot_retention` seconds is dropped, and a newer one is not built by evicting one still in use
-(the newest is served instead, a little stale) unless the priority moved on: a snapshot of an older
-epoch than the donor's is never served, as newcomers asking for the swarm's epoch (`min_priority`)
-would refuse it; the least recently used one goes, and its downloaders ask for a fresh manifest.
+`state_compression`) and hashing the copy happens in a worker thread. The newest snapshot is
+reused, without a copy, only if the state read for this request is provably the same: the same
+metadata, priority and tensor objects, none written since (torch counts in-place writes in a
+tensor's version; writes through `.data` escape that count, which is what `snapshot_max_age`
+bounds), and no `state_changed()` since. So a download made after the state changed gets the new
+state. The manifest states the priority read together with the state, which newcomers trust over
+the DHT declaration (that one may lag a step behind). Concurrent requests share one being built,
+and later ones reuse it while the state stands still, so a crowd of newcomers costs one copy.
+At most `MAX_SNAPSHOTS` are kept; one nobody has fetched from for `snapshot_retention` seconds is
+dropped, and a new one replaces the least recently used (one with no upload in flight if there is
+one); the downloaders of a replaced snapshot ask for a fresh manifest.
 At most `max_concurrent_uploads` CHUNKS
 requests are served at once; more get BUSY, and the newcomer backs off or fetches elsewhere.
 """
@@ -84,6 +86,18 @@ class _Snapshot:
     created: float
     last_used: float
     version: int
+    sources: list  # (weak reference, tensor version) of each tensor the copy was taken from
+    uploads: int = 0  # CHUNKS requests being served from it
+
+
+def _sources(tensors: Sequence[torch.Tensor]) -> list:
+    return [(weakref.ref(tensor), tensor._version) for tensor in tensors]
+
+
+def _same_tensors(sources: list, tensors: Sequence[torch.Tensor]) -> bool:
+    """The very tensors a snapshot was copied from, not written to since (no id reuse: weak refs)."""
+    return len(sources) == len(tensors) and all(
+        ref() is tensor and version == tensor._version for (ref, version), tensor in zip(sources, tensors))
 
 
 def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor],
@@ -184,6 +198,9 @@ class StateSharing:
         priority: declared with the peer; newcomers prefer higher (e.g. the local epoch).
         allow_sharing: False declares None and answers NOT_SHARING.
         client_mode: a peer nobody can dial serves and declares nothing.
+        snapshot_max_age: the oldest (seconds) a snapshot may be and still be reused for a state that
+            looks unchanged; bounds what writes torch does not count (through `.data`) can hide.
+        snapshot_retention: seconds after its last use that an unused snapshot is dropped.
     """
 
     def __init__(self, host: Host, dht_node: DHTNode, prefix: str,
@@ -338,6 +355,7 @@ class StateSharing:
             await rpc.write_frame(stream, StateReply(ReplyStatus.BUSY, detail).encode())
             return
         self._uploads += 1
+        snapshot.uploads += 1
         try:
             await rpc.write_frame(stream, StateReply(ReplyStatus.OK).encode())
             for index in request.chunks:
@@ -347,21 +365,14 @@ class StateSharing:
                 self.chunks_served += 1
         finally:
             self._uploads -= 1
+            snapshot.uploads -= 1
 
     def _chunk_payload(self, snapshot: _Snapshot, index: int):
         """The bytes sent for one chunk (a seam for tests that play a faulty donor)."""
         return snapshot.chunks[index]
 
     async def _current_snapshot(self) -> _Snapshot:
-        now = self._loop.time()
-        self._drop_idle(now)
-        if self._snapshots:
-            newest = self._snapshots[-1]
-            fresh = now - newest.created <= self.snapshot_max_age and newest.version == self._version
-            behind = newest.manifest.priority != self._priority
-            if fresh or (len(self._snapshots) >= MAX_SNAPSHOTS and not behind):
-                newest.last_used = now
-                return newest
+        self._drop_idle(self._loop.time())
         if self._building is None:
             self._building = self._loop.create_task(self._build_snapshot())
             # its waiters may all be gone by the time it fails: mark the error as seen, they log it
@@ -373,16 +384,24 @@ class StateSharing:
             # the consistency point: state and private copies are taken under the state lock, in a
             # worker thread, so a training thread holding that lock never stalls the event loop
             version = self._version
-            metadata, copies, infos, priority = await asyncio.to_thread(self._take_state)
+            newest = self._snapshots[-1] if self._snapshots else None
+            if newest is not None and (newest.version != version
+                                       or self._loop.time() - newest.created > self.snapshot_max_age):
+                newest = None
+            taken = await asyncio.to_thread(self._take_state, newest)
+            if taken is None:  # the state has not changed since the newest snapshot
+                newest.last_used = self._loop.time()
+                return newest
+            metadata, copies, infos, priority, sources = taken
             manifest, chunks = await asyncio.to_thread(
                 _serialize_snapshot, metadata, copies, list(infos), self.state_compression, self.chunk_size,
                 priority)
             del copies
             now = self._loop.time()
             reply = StateReply(ReplyStatus.OK, manifest=manifest).encode()
-            snapshot = _Snapshot(manifest, reply, chunks, now, now, version)
-            if len(self._snapshots) >= MAX_SNAPSHOTS:  # only when the priority moved on (see the module comment)
-                self._snapshots.remove(min(self._snapshots, key=lambda old: old.last_used))
+            snapshot = _Snapshot(manifest, reply, chunks, now, now, version, sources)
+            if len(self._snapshots) >= MAX_SNAPSHOTS:  # replace the least recently used, an idle one if any
+                self._snapshots.remove(min(self._snapshots, key=lambda old: (old.uploads > 0, old.last_used)))
             self._snapshots.append(snapshot)
             self.snapshots_taken += 1
             self._schedule_sweep()
@@ -390,14 +409,20 @@ class StateSharing:
         finally:
             self._building = None
 
-    def _take_state(self) -> tuple:
-        """(metadata, copies, infos, priority): the priority is read with the state, so the manifest
-        states the epoch of the tensors it describes, even if the DHT declaration still lags."""
+    def _take_state(self, newest: _Snapshot | None) -> tuple | None:
+        """(metadata, copies, infos, priority, sources), or None when the state read is the one
+        `newest` was taken from. The priority is read with the state, so the manifest states the
+        epoch of the tensors it describes, even if the DHT declaration still lags."""
         with self.state_lock:
             priority = self._priority
             state = self.get_current_state()
             metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
-            return metadata, [tensor.detach().to("cpu", copy=True) for tensor in tensors], infos, priority
+            if (newest is not None and newest.manifest.priority == priority
+                    and newest.manifest.metadata == MSGPackSerializer.dumps(metadata)
+                    and _same_tensors(newest.sources, tensors)):
+                return None
+            copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
+            return metadata, copies, infos, priority, _sources(tensors)
 
     def _drop_idle(self, now: float) -> None:
         self._snapshots = [s for s in self._snapshots if now - s.last_used < self.snapshot_retention]

@@ -1,7 +1,8 @@
 """Run a long-lived DHT peer, e.g. the first peer that others bootstrap from.
 
 Prints the `--initial_peers` line for other peers, then every `--refresh_period` seconds the size
-of its routing table and how many keys it stores. Stops cleanly on Ctrl+C or SIGTERM.
+of its routing table and how many keys it stores. Stops cleanly on Ctrl+C or SIGTERM. The flags
+and these lines are hivemind-dht's, so scripts that run or read `hivemind-dht` work with it.
 
 Example:
     plexus dht --host_maddrs /ip4/0.0.0.0/tcp/31337 --identity_path dht.key
@@ -51,14 +52,17 @@ def run(args) -> int:
     try:
         if not args.client_mode:
             maddrs = " ".join(str(addr) for addr in dht.get_visible_maddrs())
-            logger.info(f"To connect other peers to this one, use --initial_peers {maddrs}")
+            logger.info("Running a DHT instance. To connect other peers to this one, use "
+                        f"--initial_peers {maddrs}")
+            logger.info(f"Full list of visible multiaddresses: {maddrs}")
             if args.use_ipfs:
                 logger.info(f"With --use_ipfs, --initial_peers /p2p/{dht.peer_id} is enough")
         if dht.reachability != "unknown":
             logger.info(f"reachability: {dht.reachability}; {dht.nat_mode} mode")
         while not stop.wait(args.refresh_period):
             peers, keys = dht.run_coroutine(_status)
-            logger.info(f"routing table: {peers} peers; storing {keys} keys")
+            logger.info(f"{peers + 1} DHT nodes (including this one) are in the local routing table")
+            logger.info(f"Local storage contains {keys} keys")
     finally:
         dht.shutdown()
         logger.info("DHT peer stopped")

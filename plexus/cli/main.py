@@ -7,12 +7,13 @@
 """
 
 import argparse
+import logging
 import sys
 
+from ..errors import PlexusError
 from ..utils.logging import use_plexus_log_handler
 from . import demo, dht, doctor, server
 from .config import parse_with_config
-
 
 COMMANDS = {"demo": demo, "dht": dht, "server": server, "doctor": doctor}
 
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command].run(args) or 0
     except KeyboardInterrupt:
         return 130
+    except PlexusError as error:  # a bootstrap that failed, a bad option: the message says what to do
+        logging.getLogger("plexus.cli").error(f"{type(error).__name__}: {error}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Examples:
     plexus server --config server.yml      # keys are the flag names below
 """
 
+import os
 import resource
 import signal
 import threading
@@ -94,7 +95,9 @@ def run(args) -> int:
     if args.increase_file_limit:
         _raise_file_limit()
     if args.num_handlers is not None or args.stats_report_interval is not None:
-        logger.warning("--num_handlers and --stats_report_interval have no effect in Plexus")
+        logger.debug("--num_handlers and --stats_report_interval have no effect in Plexus")
+    if args.identity_path and not os.path.exists(args.identity_path):
+        logger.info(f"Generating new identity (libp2p private key) in {args.identity_path}")
     started = time.perf_counter()
     server = Server.create(
         num_experts=args.num_experts, expert_uids=args.expert_uids, expert_pattern=args.expert_pattern,
@@ -109,7 +112,9 @@ def run(args) -> int:
         use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay,
     )
     try:
-        maddrs = " ".join(str(addr) for addr in server.dht.get_visible_maddrs())
+        visible = [str(addr) for addr in server.dht.get_visible_maddrs()]
+        logger.info(f"Running DHT node on [{', '.join(visible)}], initial peers = {args.initial_peers}")
+        maddrs = " ".join(visible)
         uids = list(server.module_backends)
         logger.info(f"serving {len(uids)} experts ({', '.join(uids[:4])}{', ...' if len(uids) > 4 else ''}); "
                     f"started in "

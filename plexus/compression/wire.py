@@ -55,14 +55,38 @@ class CompressionError(ValueError):
 
 
 class CompressionType(enum.IntEnum):
-    """The compression method of a `SerializedTensor`; the integer values are part of the wire."""
+    """The compression method of a `SerializedTensor`; the integer values are part of the wire.
+
+    The values are hivemind's (runtime.proto), so `compression=2` means FLOAT16 in both; so are the
+    protobuf-enum helpers `Name`, `Value`, `keys`, `values` and `items`.
+    """
 
     NONE = 0
-    FLOAT16 = 1
-    MEANSTD_16BIT = 2
-    UNIFORM_8BIT = 3
-    QUANTILE_8BIT = 4
+    MEANSTD_16BIT = 1
+    FLOAT16 = 2
+    QUANTILE_8BIT = 3
+    UNIFORM_8BIT = 4
     BLOCKWISE_8BIT = 5
+
+    @classmethod
+    def Name(cls, number: int) -> str:  # protobuf's enum API
+        return cls(number).name
+
+    @classmethod
+    def Value(cls, name: str) -> int:
+        return int(cls[name])
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [member.name for member in cls]
+
+    @classmethod
+    def values(cls) -> list[int]:
+        return [int(member) for member in cls]
+
+    @classmethod
+    def items(cls) -> list[tuple[str, int]]:
+        return [(member.name, int(member)) for member in cls]
 
 
 # Wire names of the dtypes we carry, and the torch dtype each stands for.

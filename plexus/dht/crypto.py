@@ -23,21 +23,33 @@ def owner_marker(public_key: PublicKey) -> bytes:
     return b"[owner:" + base64.b64encode(public_key.to_protobuf()) + b"]"
 
 
-class Ed25519SignatureValidator(RecordValidatorBase):
-    """Signs records owned by our key; refuses owned records without their owner's valid signature."""
+class SignatureValidator(RecordValidatorBase):
+    """Signs records owned by our key; refuses owned records without their owner's valid signature.
 
-    def __init__(self, private_key: PrivateKey | None = None):
-        self._private_key = private_key or PrivateKey.generate()
-        self._marker = owner_marker(self._private_key.public_key)
+    A subclass says how its owners are written (`owner_pattern`, the marker it passes in) and how a
+    signature is made and checked (`_sign`, `_verify`); the rules above are the same for every key type.
+    """
+
+    owner_pattern: re.Pattern = OWNER_PATTERN
+    signature_pattern: re.Pattern = SIGNATURE_PATTERN
+
+    def __init__(self, marker: bytes):
+        self._marker = marker
 
     @property
     def local_public_key(self) -> bytes:
         """The marker to put in a subkey (or key) to make a record ours: `[owner:...]`."""
         return self._marker
 
-    @staticmethod
-    def _owners(record: DHTRecord) -> set[bytes]:
-        return set(OWNER_PATTERN.findall(record.key)) | set(OWNER_PATTERN.findall(record.subkey))
+    def _sign(self, message: bytes) -> bytes:
+        raise NotImplementedError
+
+    def _verify(self, owner: bytes, message: bytes, signature: bytes) -> bool:
+        """Whether `signature` of `message` is valid for the key written as `owner`; False if unreadable."""
+        raise NotImplementedError
+
+    def _owners(self, record: DHTRecord) -> set[bytes]:
+        return set(self.owner_pattern.findall(record.key)) | set(self.owner_pattern.findall(record.subkey))
 
     @staticmethod
     def _signed_message(record: DHTRecord, stripped_value: bytes) -> bytes:
@@ -49,27 +61,25 @@ class Ed25519SignatureValidator(RecordValidatorBase):
             return True
         if len(owners) > 1:
             return False
-        match = SIGNATURE_PATTERN.search(record.value)
+        match = self.signature_pattern.search(record.value)
         if match is None:
             return False
         try:
-            public_key = PublicKey.from_protobuf(base64.b64decode(owners.pop(), validate=True))
             signature = base64.b64decode(match.group(1), validate=True)
-        except (IdentityError, ValueError):
+        except ValueError:
             return False
-        if public_key.key_type != KEY_TYPES["Ed25519"]:
-            return False
-        return public_key.verify(signature, self._signed_message(record, record.value[: match.start()]))
+        message = self._signed_message(record, record.value[: match.start()])
+        return self._verify(owners.pop(), message, signature)
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if self._marker not in record.key and self._marker not in record.subkey:
             return record.value
-        signature = self._private_key.sign(self._signed_message(record, record.value))
+        signature = self._sign(self._signed_message(record, record.value))
         return record.value + b"[signature:" + base64.b64encode(signature) + b"]"
 
     def strip_value(self, record: DHTRecord) -> bytes:
         # only owned records carry a signature; a plain value that happens to end alike is left alone
-        match = SIGNATURE_PATTERN.search(record.value) if self._owners(record) else None
+        match = self.signature_pattern.search(record.value) if self._owners(record) else None
         return record.value if match is None else record.value[: match.start()]
 
     @property
@@ -77,5 +87,23 @@ class Ed25519SignatureValidator(RecordValidatorBase):
         return 10
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        # one signer per node: a second validator for the same key adds nothing
-        return isinstance(other, Ed25519SignatureValidator) and other._marker == self._marker
+        # one signer per node and key type: a second validator for the same key adds nothing
+        return type(other) is type(self) and other._marker == self._marker
+
+
+class Ed25519SignatureValidator(SignatureValidator):
+    """Signs with an Ed25519 key (the peer's identity, or a new one); Plexus's default signature."""
+
+    def __init__(self, private_key: PrivateKey | None = None):
+        self._private_key = private_key or PrivateKey.generate()
+        super().__init__(owner_marker(self._private_key.public_key))
+
+    def _sign(self, message: bytes) -> bytes:
+        return self._private_key.sign(message)
+
+    def _verify(self, owner: bytes, message: bytes, signature: bytes) -> bool:
+        try:
+            public_key = PublicKey.from_protobuf(base64.b64decode(owner, validate=True))
+        except (IdentityError, ValueError):
+            return False
+        return public_key.key_type == KEY_TYPES["Ed25519"] and public_key.verify(signature, message)

@@ -42,14 +42,24 @@ from ..utils.background_loop import get_background_loop
 from ..utils.logging import get_logger
 from ..utils.timed_storage import ValueWithExpiration
 from ..utils.timing import get_dht_time
-from .node import DHTBootstrapError, DHTNode
-from .p2p_transport import HostDHTTransport
+from .node import DHTNode
+from .p2p_transport import HostDHTTransport, dial_initial_peers
 from .routing import DHTID
 from .validation import CompositeValidator, RecordValidatorBase
 
 logger = get_logger(__name__)
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+# hivemind options (mostly its daemon's) that mean nothing here, and why: accepted with a warning
+HIVEMIND_OPTIONS_WITHOUT_EFFECT = {
+    "tls": "connections are always encrypted and authenticated with Noise",
+    "quic": "Plexus speaks TCP", "use_relay_hop": "see relay_service", "use_relay_discovery": "see relays",
+    "conn_manager": "idle connections are closed by the host", "idle_timeout": "see HostOptions",
+    "dht_mode": "there is no libp2p daemon DHT to configure", "nat_port_map": "Plexus does no UPnP/NAT-PMP",
+    "relay_hop_limit": "see relay_service", "persistent_conn_max_msg_size": "message bounds are per protocol",
+    "check_if_identity_free": "there is no daemon whose identity could collide",
+    "daemon": "the DHT runs in this process, not in a child process",
+}
 RELAY_KEY = "_plexus.relays"  # {peer id: [its addresses]} of verified public peers that relay
 RELAY_ANNOUNCE_PERIOD = 300.0  # seconds between announcements; each lasts twice as long
 MAX_RELAYS = 2  # reservations a private peer keeps
@@ -70,9 +80,13 @@ class DHT:
                  relay_service: bool | RelayLimits = True, hole_punching: bool = True,
                  use_ipfs: bool = False, ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
                  noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, swarm_key: bytes | None = None,
-                 authorizer: AuthorizerBase | None = None, **node_options):
+                 authorizer: AuthorizerBase | None = None, p2p: Host | None = None, no_listen: bool = False,
+                 **node_options):
         """
         Args (besides hivemind's DHT ones):
+            p2p: run on this started Host (or anything with a `.host`, such as what
+                `replicate_p2p()` returns) instead of a new one; the DHT leaves it running at shutdown.
+            no_listen: accept no incoming connections (no host_maddrs), as hivemind's P2P option.
             client_mode: True: only dial out, take part as a client; None: decide at start (a peer
                 that AutoNAT finds private and that has no relay becomes a client).
             use_relay: dial peers through circuit relays and accept circuits from our relays.
@@ -96,9 +110,14 @@ class DHT:
         """
         if force_reachability not in (None, "public", "private"):
             raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")
+        for option in [name for name in node_options if name in HIVEMIND_OPTIONS_WITHOUT_EFFECT]:
+            reason = HIVEMIND_OPTIONS_WITHOUT_EFFECT[option]
+            logger.warning(f"DHT({option}=...) has no effect in Plexus: {reason}")
+            node_options.pop(option)
         self.initial_peers = [Multiaddr(addr) for addr in initial_peers or ()]
         self._client_mode = client_mode
-        self.host_maddrs = tuple(host_maddrs) if client_mode is not True else ()
+        self._given_host: Host | None = getattr(p2p, "host", p2p)
+        self.host_maddrs = tuple(host_maddrs) if client_mode is not True and not no_listen else ()
         self.announce_maddrs = tuple(announce_maddrs)
         self.use_relay, self.use_auto_relay, self.auto_nat = use_relay, use_auto_relay, auto_nat
         trusted_relays = node_options.pop("trusted_relays", None)  # hivemind's name for them
@@ -119,7 +138,12 @@ class DHT:
         self.autonat: AutoNAT | None = None
         self.kademlia = None  # plexus.p2p.kad.KademliaClient with use_ipfs
         self._announcer: asyncio.Task | None = None
-        self.private_key = load_or_create_identity(identity_path) if identity_path else PrivateKey.generate()
+        if self._given_host is not None:
+            self.private_key = self._given_host.private_key
+        elif identity_path:
+            self.private_key = load_or_create_identity(identity_path)
+        else:
+            self.private_key = PrivateKey.generate()
         self.peer_id: PeerID = self.private_key.peer_id
         self._record_validator = CompositeValidator(record_validators)
         self.authorizer = authorizer
@@ -150,8 +174,12 @@ class DHT:
             raise TimeoutError(f"the DHT did not start within {timeout or self.startup_timeout} s") from None
 
     async def _start(self) -> None:
-        listening = bool(self.host_maddrs)
-        self.host = await Host(self.private_key, self.host_options, authorizer=self.authorizer).start()
+        if self._given_host is not None:
+            self.host = self._given_host
+            listening = bool(self.host.get_listen_maddrs())
+        else:
+            listening = bool(self.host_maddrs)
+            self.host = await Host(self.private_key, self.host_options, authorizer=self.authorizer).start()
         try:
             self._start_nat_components(listening)
             if self.use_ipfs:
@@ -343,17 +371,9 @@ class DHT:
 
     async def _connect_to_initial_peers(self) -> list[PeerID]:
         """Dial every initial peer at once; fail, naming each address and why, if none answers."""
-        if not self.initial_peers:
-            return []
         timeout = self._node_options.get("bootstrap_timeout") or self._node_options.get("wait_timeout", 3.0) * 3
-        results = await asyncio.gather(*(self._dial(addr, timeout) for addr in self.initial_peers),
-                                       return_exceptions=True)
-        connected = [result for result in results if isinstance(result, PeerID)]
-        if not connected and self._node_options.get("ensure_bootstrap_success", True):
-            reasons = "; ".join(f"{addr}: {result}" for addr, result in zip(self.initial_peers, results))
-            raise DHTBootstrapError(f"could not reach any initial peer (tried {reasons}). "
-                                    f"Are the addresses right and the ports open?")
-        return list(dict.fromkeys(connected))
+        ensure_success = self._node_options.get("ensure_bootstrap_success", True)
+        return await dial_initial_peers(self.host, self.initial_peers, timeout, ensure_success, dial=self._dial)
 
     async def _find_peer(self, peer_id: PeerID) -> None:
         """Peer routing: node ids are hashes of peer ids, so a lookup of that id reaches the peer
@@ -398,7 +418,8 @@ class DHT:
                           self.kademlia):
             if component is not None:
                 await component.stop()
-        await self.host.shutdown()
+        if self.host is not self._given_host:
+            await self.host.shutdown()
 
     def is_alive(self) -> bool:
         return self._ready is not None and self._ready.done() and self._ready.exception() is None
@@ -441,6 +462,13 @@ class DHT:
 
     def add_validators(self, record_validators: Iterable[RecordValidatorBase]) -> None:
         self._record_validator.extend(record_validators)
+
+    async def replicate_p2p(self) -> Host:
+        """The DHT's own Host, for RemoteExpert and other protocols (hivemind replicates its daemon
+        here; in Plexus everything in the process shares the host and the event loop)."""
+        if not self._background.in_loop_thread():
+            self.wait_until_ready()
+        return self.host
 
     def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
         """Addresses other peers can use as `initial_peers` to reach this one."""

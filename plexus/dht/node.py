@@ -26,7 +26,7 @@ import random
 from typing import Any, Collection, Iterable, Sequence
 
 from ..p2p.identity import PeerID
-from ..utils.timing import DHTExpiration, get_dht_time
+from ..utils.timing import MAX_DHT_TIME_DISCREPANCY_SECONDS, DHTExpiration, get_dht_time
 from .blacklist import Blacklist
 from .cache_refresh import CacheRefreshQueue
 from .diversity import DiversityOptions
@@ -47,22 +47,18 @@ from .messages import (
     decode_request,
     decode_response,
 )
+from .p2p_transport import open_host_transport
 from .protocol import DHTProtocol, HandOver, PingToEvict
 from .routing import DHTID, RoutingTable
 from .storage import DHTLocalStorage, StorageLimits
 from .store_and_get import StoreAndGet
-from .transport import DHTTransport
+from .transport import DHTBootstrapError, DHTTransport
 from .traverse import Traversal, TraversalRequest
 
 logger = logging.getLogger(__name__)
 
-MAX_DHT_TIME_DISCREPANCY_SECONDS = 3.0
 DEFAULT_PARALLEL_RPC = 256  # cap on concurrent outgoing requests when parallel_rpc is None
 MAX_BACKGROUND_TASKS = 1024
-
-
-class DHTBootstrapError(ConnectionError):
-    """None of the initial peers answered; the message names each one and why it failed."""
 
 
 def _describe(error: BaseException) -> str:
@@ -107,6 +103,8 @@ class DHTNode(StoreAndGet):
         diversity: DiversityOptions | None = None,
         min_request_timeout: float = DEFAULT_MIN_REQUEST_TIMEOUT,
         liveness: LivenessOptions | None = None,
+        p2p=None,
+        **host_options,
     ) -> "DHTNode":
         """Start serving on `rpc` (unless `client_mode`), then join through `initial_peers`.
 
@@ -119,10 +117,19 @@ class DHTNode(StoreAndGet):
         `liveness` says when entries that went silent are pinged and evicted (default
         `LivenessOptions()`; see liveness.py).
 
+        Without `rpc` the node runs over a libp2p host, as in hivemind: `p2p` (a started Host, or
+        anything with a `.host`), else one of its own that listens on `host_maddrs` (default
+        127.0.0.1 only; also `announce_maddrs`, `identity_path`) and closes with the node. Initial
+        peers may then be multiaddrs, which are dialed first.
+
         Raises DHTBootstrapError when initial peers were given, none answered a ping and
         `ensure_bootstrap_success` is set; the message lists every peer tried and why it failed."""
         if rpc is None:
-            raise TypeError("DHTNode.create needs rpc=<a DHTTransport>, e.g. MemoryNetwork().create_transport()")
+            rpc, initial_peers = await open_host_transport(
+                getattr(p2p, "host", p2p), initial_peers, bootstrap_timeout or wait_timeout * 3,
+                ensure_bootstrap_success, **host_options)
+        elif p2p is not None or host_options:
+            raise TypeError(f"DHTNode.create takes rpc= or host options, not both: {sorted(host_options)}")
         self = cls(_private=True)
         self.node_id = node_id if node_id is not None else DHTID.generate()
         self.rpc, self.peer_id = rpc, rpc.local_peer_id
@@ -166,6 +173,11 @@ class DHTNode(StoreAndGet):
             await self.shutdown()
             raise
         return self
+
+    async def get_visible_maddrs(self, latest: bool = False) -> list:
+        """Addresses other peers can use as `initial_peers` for this node (empty off a libp2p host)."""
+        host = getattr(self.rpc, "host", None)
+        return [] if host is None else host.get_visible_maddrs(include_observed=latest)
 
     def __repr__(self) -> str:
         mode = "client" if self.client_mode else "server"

@@ -3,14 +3,21 @@
 The host authenticates the remote peer (Noise), so the handler learns the sender from the
 connection, never from the message. Remote handler errors arrive as DHTRPCError, like the
 in-memory network's, so the node treats both transports the same way.
+
+`open_host_transport` is how a node gets a host of its own (hivemind's
+`DHTNode.create(initial_peers=[maddrs])`): it starts one (or takes the caller's), and dials the
+initial peers given as multiaddrs to learn their peer ids; a host it started closes with the node.
 """
 
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
 from ..p2p import rpc
-from ..p2p.host import Host
-from ..p2p.identity import PeerID
+from ..p2p.host import Host, HostOptions
+from ..p2p.identity import PeerID, PrivateKey, load_or_create_identity
 from ..p2p.multiaddr import Multiaddr, MultiaddrError, parse_host_port
 from .messages import DHTRPCError
-from .transport import RequestHandler
+from .transport import DHTBootstrapError, RequestHandler
 
 DHT_PROTOCOL = "/plexus/dht/1.0.0"
 MAX_DHT_MESSAGE_SIZE = 8 << 20
@@ -20,8 +27,8 @@ MAX_CONCURRENT_REQUESTS_PER_PEER = 256  # a node sends at most DEFAULT_PARALLEL_
 
 
 class HostDHTTransport:
-    def __init__(self, host: Host):
-        self.host = host
+    def __init__(self, host: Host, owns_host: bool = False):
+        self.host, self.owns_host = host, owns_host
         self.local_peer_id: PeerID = host.peer_id
         # Every find response names ~20 peers with their addresses, both ways: keep each peer's
         # addresses in binary, valid while the host's list is unchanged (see `_binary_addresses`).
@@ -90,3 +97,50 @@ class HostDHTTransport:
 
     async def close(self) -> None:
         self.host.remove_stream_handler(DHT_PROTOCOL)
+        if self.owns_host:
+            await self.host.shutdown()
+
+
+Dial = Callable[[Multiaddr, float], Awaitable[PeerID]]
+
+
+async def dial_initial_peers(host: Host, addrs: Sequence[Multiaddr], timeout: float, ensure_success: bool,
+                             dial: Dial | None = None) -> list[PeerID]:
+    """Dial every address at once; the peer ids that answered. With `ensure_success`, raise
+    DHTBootstrapError naming each address and why, if none did."""
+    if not addrs:
+        return []
+
+    async def connect(addr: Multiaddr, timeout: float) -> PeerID:
+        return (await host.connect(addr, timeout=timeout)).remote_peer
+
+    dial = dial or connect
+    results = await asyncio.gather(*(dial(addr, timeout) for addr in addrs), return_exceptions=True)
+    connected = [result for result in results if isinstance(result, PeerID)]
+    if not connected and ensure_success:
+        reasons = "; ".join(f"{addr}: {result}" for addr, result in zip(addrs, results))
+        raise DHTBootstrapError(f"failed to connect to bootstrap peers: could not reach any initial peer "
+                             f"(tried {reasons}). Are the addresses right and the ports open?")
+    return list(dict.fromkeys(connected))
+
+
+async def open_host_transport(host: Host | None, initial_peers: Sequence, timeout: float,
+                              ensure_success: bool, host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+                              announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
+                              ) -> tuple[HostDHTTransport, list[PeerID]]:
+    """A transport over `host` (or over a new one listening on `host_maddrs`, owned by the
+    transport), and the peer ids of `initial_peers`, which may be PeerIDs or multiaddrs to dial."""
+    owns_host = host is None
+    if owns_host:
+        key = load_or_create_identity(identity_path) if identity_path else PrivateKey.generate()
+        options = HostOptions(host_maddrs=tuple(host_maddrs), announce_maddrs=tuple(announce_maddrs))
+        host = await Host(key, options).start()
+    try:
+        peer_ids = [peer for peer in initial_peers if isinstance(peer, PeerID)]
+        addrs = [Multiaddr(peer) for peer in initial_peers if not isinstance(peer, PeerID)]
+        peer_ids += await dial_initial_peers(host, addrs, timeout, ensure_success and not peer_ids)
+    except BaseException:
+        if owns_host:
+            await host.shutdown()
+        raise
+    return HostDHTTransport(host, owns_host), list(dict.fromkeys(peer_ids))

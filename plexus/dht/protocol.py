@@ -89,6 +89,11 @@ class DHTProtocol:
         self._refusals = RateLimitedLog(logger)
 
     @property
+    def record_validator(self) -> RecordValidatorBase | None:
+        """The validator, by the name hivemind code reaches it with (`node.protocol.record_validator`)."""
+        return self.validator
+
+    @property
     def own_id(self) -> DHTID | None:
         """The id we put in our messages: none in client mode, so nobody adds us to their table."""
         return None if self.client_mode else self.node_id

@@ -8,9 +8,16 @@ carry no sender address.
 
 from typing import Awaitable, Callable, Protocol, Sequence
 
+from ..errors import PeerError
 from ..p2p.identity import PeerID
 
 RequestHandler = Callable[[PeerID, bytes], Awaitable[bytes]]
+
+
+class DHTBootstrapError(PeerError, ConnectionError):
+    """None of the initial peers could be reached or answered; the message names each one and why.
+
+    Code written for hivemind catches it as `P2PDaemonError` (see plexus.compat)."""
 
 
 class DHTTransport(Protocol):

@@ -13,7 +13,7 @@ from .client import (
     RemoteSwitchMixtureOfExperts,
     TooFewExpertsError,
 )
-from .expert_registry import declare_experts, get_experts
+from .expert_registry import create_remote_experts, declare_experts, get_experts
 from .expert_uid import FLAT_EXPERT, UID_DELIMITER, ExpertInfo, ExpertPrefix, ExpertUID
 from .schema import BatchTensorDescriptor
 from .server import ModuleBackend, Server, background_server, register_expert_class
@@ -21,6 +21,7 @@ from .server import ModuleBackend, Server, background_server, register_expert_cl
 __all__ = [
     "FLAT_EXPERT", "UID_DELIMITER", "BatchTensorDescriptor", "ExpertInfo", "ExpertPrefix", "ExpertUID",
     "MoEBeamSearcher", "ModuleBackend", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts",
-    "RemoteSwitchMixtureOfExperts", "Server", "TooFewExpertsError", "background_server", "declare_experts",
+    "RemoteSwitchMixtureOfExperts", "Server", "TooFewExpertsError", "background_server",
+    "create_remote_experts", "declare_experts",
     "get_experts", "register_expert_class",
 ]

@@ -17,6 +17,7 @@ uid lies under the prefix and coordinate it is filed under.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 
@@ -55,13 +56,20 @@ def declaration_entries(uids: Sequence[ExpertUID], peer_id: PeerID) -> tuple[lis
     return keys, subkeys, values
 
 
-async def declare_experts_async(node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID,
-                                expiration_time: DHTExpiration) -> dict[ExpertUID, bool]:
-    """Announce `uids` as served by `peer_id` until `expiration_time`; {uid: every record stored}."""
+async def store_declarations(node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID,
+                             expiration_time: DHTExpiration) -> dict:
+    """Store the records that announce `uids`; whether each was stored, by record: `uid` for the
+    plain ones, `(prefix, coordinate)` for the prefix entries."""
     if not uids:
         return {}
     keys, subkeys, values = declaration_entries(uids, peer_id)
-    stored = await node.store_many(keys, values, expiration_time, subkeys=subkeys)
+    return await node.store_many(keys, values, expiration_time, subkeys=subkeys)
+
+
+async def declare_experts_async(node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID,
+                                expiration_time: DHTExpiration) -> dict[ExpertUID, bool]:
+    """Announce `uids` as served by `peer_id` until `expiration_time`; {uid: every record stored}."""
+    stored = await store_declarations(node, uids, peer_id, expiration_time)
     result = {}
     for uid in uids:
         records = [uid, *prefix_entries(uid)]  # store_many names dictionary entries (key, subkey)
@@ -70,18 +78,21 @@ async def declare_experts_async(node: DHTNode, uids: Sequence[ExpertUID], peer_i
 
 
 def declare_experts(dht, uids: Sequence[ExpertUID], expiration_time: DHTExpiration,
-                    wait: bool = True) -> dict[ExpertUID, bool] | concurrent.futures.Future:
+                    wait: bool = True) -> dict | concurrent.futures.Future:
     """Announce that this DHT peer serves `uids` until `expiration_time` (absolute DHT time).
 
-    Returns {uid: stored} (True when the uid and all its prefix entries reached a replica), or a
+    Returns, as hivemind does, whether each record was stored: `{uid: ok, (prefix, coordinate): ok}`
+    (the prefix entries are shared by uids, so there are fewer than one per uid and level), or a
     future of it with `wait=False`. The server's Host must be the DHT's own (`dht.host`).
     """
+    if isinstance(uids, str):
+        raise TypeError("declare_experts takes a list of uids, not one uid string")
     for uid in uids:
         if not is_valid_uid(uid):
             raise ValueError(f"{uid!r} is not a valid expert uid (expected name.i[.j...], e.g. 'ffn.0.3')")
 
     async def declare(dht_, node):
-        return await declare_experts_async(node, list(uids), dht_.peer_id, expiration_time)
+        return await store_declarations(node, list(uids), dht_.peer_id, expiration_time)
 
     return dht.run_coroutine(declare, return_future=not wait)
 
@@ -123,6 +134,20 @@ async def get_experts_async(node: DHTNode, host: Host, uids: Sequence[ExpertUID]
         experts.append(RemoteExpert(ExpertInfo(uid, peer_id), host) if peer_id is not None else None)
     await learn_addresses(node, host, [expert.peer_id for expert in experts if expert is not None])
     return experts
+
+
+def create_remote_experts(infos: Sequence[ExpertInfo | None], dht, return_future: bool = False,
+                          ) -> list[RemoteExpert | None] | concurrent.futures.Future:
+    """A RemoteExpert for each ExpertInfo (None stays None), calling through the DHT's host, whose
+    DHT finds the servers' addresses. `infos` may also be a future of that list (hivemind's
+    `get_experts(..., return_future=True)` result)."""
+    async def create(dht_, node):
+        found = await asyncio.wrap_future(infos) if isinstance(infos, concurrent.futures.Future) else infos
+        experts = [None if info is None else RemoteExpert(ExpertInfo(*info), dht_.host) for info in found]
+        await learn_addresses(node, dht_.host, [expert.peer_id for expert in experts if expert is not None])
+        return experts
+
+    return dht.run_coroutine(create, return_future=return_future)
 
 
 def get_experts(dht, uids: Sequence[ExpertUID], expiration_time: DHTExpiration | None = None,

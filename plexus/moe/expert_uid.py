@@ -41,14 +41,18 @@ class ExpertInfo(NamedTuple):
 
 
 def is_valid_uid(maybe_uid: object) -> bool:
-    """Whether this is a well-formed uid (name and at least one coordinate, no leading zeros)."""
-    return isinstance(maybe_uid, str) and len(maybe_uid) <= MAX_UID_LENGTH and bool(UID_PATTERN.match(maybe_uid))
+    """Whether this is a well-formed uid (name and at least one coordinate, no leading zeros).
+
+    The whole string must match: `re.match` with `$` would accept "ffn.1\\n" (`$` matches before a
+    final newline), and such a uid would be stored as a key no well-formed lookup reaches."""
+    return (isinstance(maybe_uid, str) and len(maybe_uid) <= MAX_UID_LENGTH
+            and bool(UID_PATTERN.fullmatch(maybe_uid)))
 
 
 def is_valid_prefix(maybe_prefix: object) -> bool:
     """Whether this is a well-formed prefix: a name, zero or more coordinates, a trailing delimiter."""
     return (isinstance(maybe_prefix, str) and len(maybe_prefix) <= MAX_UID_LENGTH
-            and bool(PREFIX_PATTERN.match(maybe_prefix)))
+            and bool(PREFIX_PATTERN.fullmatch(maybe_prefix)))
 
 
 def split_uid(uid_or_prefix: str) -> tuple[ExpertPrefix, Coordinate]:

@@ -9,6 +9,7 @@ concatenated; the runtime only batches requests whose shapes match).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from ..compression.wire import DTYPE_NAMES, DTYPES, FLOATING_DTYPES, Compression
 from ..p2p.messages import Message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class BatchTensorDescriptor(Message):
     """One batch-first tensor of an expert's inputs or outputs.
 
@@ -29,6 +30,24 @@ class BatchTensorDescriptor(Message):
     dtype: str = "float32"
     requires_grad: bool = False
     compression: int = CompressionType.NONE
+
+    def __init__(self, *sizes, shape: Sequence[int | None] | None = None,
+                 dtype: str | torch.dtype = "float32", requires_grad: bool = False,
+                 compression: int = CompressionType.NONE):
+        """`BatchTensorDescriptor((16, 4))` or, as in hivemind, `BatchTensorDescriptor(16, 4)`: the
+        sizes after the batch dimension. `dtype` is a wire name ("float32") or a torch dtype."""
+        if shape is None:
+            shape = sizes[0] if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)) else sizes
+        elif sizes:
+            raise TypeError("give the shape either as positional sizes or as shape=, not both")
+        if isinstance(dtype, torch.dtype):
+            if dtype not in DTYPE_NAMES:
+                raise ValueError(f"tensors of dtype {dtype} cannot travel to an expert")
+            dtype = DTYPE_NAMES[dtype]
+        for name, value in (("shape", tuple(shape)), ("dtype", dtype), ("requires_grad", requires_grad),
+                            ("compression", compression)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
 
     def __post_init__(self):
         if any(d is not None and (type(d) is not int or d < 0) for d in self.shape):
@@ -55,7 +74,8 @@ class BatchTensorDescriptor(Message):
             requires_grad = dtype in FLOATING_DTYPES
         if dtype not in FLOATING_DTYPES:
             compression = CompressionType.NONE  # lossy methods are for floats; masks and ids travel as they are
-        return cls(tuple(tensor.shape[1:]), dtype, requires_grad, CompressionType(compression))
+        return cls(shape=tuple(tensor.shape[1:]), dtype=dtype, requires_grad=requires_grad,
+                   compression=CompressionType(compression))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,6 +1,6 @@
 """Training on top of averaging: state and gradient averagers, progress tracking, the Optimizer."""
 
-from .grad_averager import GradientAverager
+from .grad_averager import GradientAverager, GradientAveragerFactory
 from .grad_scaler import GradScaler
 from .optimizer import Optimizer
 from .power_sgd_averager import PowerSGDGradientAverager
@@ -8,5 +8,5 @@ from .progress_tracker import ProgressTracker
 from .state_averager import TrainingStateAverager
 from .training_averager import TrainingAverager
 
-__all__ = ["GradScaler", "GradientAverager", "Optimizer", "PowerSGDGradientAverager", "ProgressTracker",
-           "TrainingAverager", "TrainingStateAverager"]
+__all__ = ["GradScaler", "GradientAverager", "GradientAveragerFactory", "Optimizer", "PowerSGDGradientAverager",
+           "ProgressTracker", "TrainingAverager", "TrainingStateAverager"]

@@ -31,7 +31,7 @@ averaged gradients, under the averager's lock.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -251,3 +251,8 @@ class GradientAverager(DecentralizedAverager):
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.prefix} {self.mode.name} peer={self.dht.peer_id.short()} "
                 f"samples={self._samples} times={self._times}>")
+
+
+GradientAveragerFactory = Callable[..., GradientAverager]
+"""Builds the Optimizer's gradient averager: `factory(parameters, dht=..., prefix=..., **options)`,
+e.g. `GradientAverager` itself or `functools.partial(PowerSGDGradientAverager, averager_rank=32)`."""

@@ -66,7 +66,7 @@ from ..p2p.identity import PeerID
 from ..utils.logging import RateLimitedLog, get_logger
 from ..utils.tensors import all_finite
 from ..utils.timing import get_dht_time
-from .grad_averager import GradientAverager
+from .grad_averager import GradientAverager, GradientAveragerFactory
 from .grad_scaler import GradScaler
 from .progress_tracker import ProgressTracker
 from .state_averager import StateLoadError, TrainingStateAverager
@@ -80,9 +80,12 @@ class Optimizer(torch.optim.Optimizer):
     target_batch_size=4096, batch_size_per_step=32, optimizer=partial(torch.optim.Adam, lr=1e-3),
     params=model.parameters())`, then `loss.backward(); opt.step(); opt.zero_grad()` as usual.
 
-    See hivemind's documentation for every argument; the names and defaults are the same. Plexus adds
-    `robust_aggregation`: a `RobustAggregation` (CenteredClip per part, verified reducers) for the
-    gradient and state rounds; every peer of a run must pass equal options (default None: plain means).
+    See hivemind's documentation for every argument; the names and defaults are the same.
+    `grad_averager_factory` builds the gradient averager from (parameters, dht=, prefix=, ...), e.g.
+    `functools.partial(PowerSGDGradientAverager, averager_rank=32)` (default: GradientAverager).
+    Plexus adds `robust_aggregation`: a `RobustAggregation` (CenteredClip per part, verified reducers)
+    for the gradient and state rounds; every peer of a run must pass equal options (default None:
+    plain means).
     """
 
     def __init__(self, *, dht: DHT, run_id: str, target_batch_size: int, batch_size_per_step: int | None = None,
@@ -98,6 +101,7 @@ class Optimizer(torch.optim.Optimizer):
                  load_state_compression: CompressionBase = NoCompression(),
                  average_opt_statistics: Sequence[str] = (), extra_tensors: Sequence[torch.Tensor] = (),
                  averager_opts: dict | None = None, tracker_opts: dict | None = None,
+                 grad_averager_factory: GradientAveragerFactory | None = None,
                  performance_ema_alpha: float = 0.1, shutdown_timeout: float = 5, verbose: bool = False,
                  robust_aggregation: RobustAggregation | None = None):
         client_mode = dht.client_mode if client_mode is None else client_mode
@@ -138,15 +142,15 @@ class Optimizer(torch.optim.Optimizer):
                     if copy.grad is None:
                         copy.grad = torch.zeros_like(copy)
                 averaged_grads = tuple(copy.grad for copy in copies)
-            self.grad_averager = GradientAverager(
+            self.grad_averager = (grad_averager_factory or GradientAverager)(
                 self.state_averager.main_parameters, dht=dht, prefix=f"{run_id}_grad_averager",
                 reuse_grad_buffers=reuse_grad_buffers, averaged_grads=averaged_grads, auxiliary=auxiliary,
                 compression=grad_compression, weight_limits=self._gradient_weight_limits, **round_opts)
         # a peer's claim to be ahead of the swarm is checked against the state it serves (state_prefix)
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
-            status_loglevel=self.status_loglevel,
-            **{"state_prefix": self.state_averager.prefix, **(tracker_opts or {})})
+            **{"status_loglevel": self.status_loglevel, "state_prefix": self.state_averager.prefix,
+               **(tracker_opts or {})})
         self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (weights: its samples)
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
@@ -200,6 +204,11 @@ class Optimizer(torch.optim.Optimizer):
     @property
     def local_progress(self):
         return self.tracker.local_progress
+
+    @property
+    def scheduled_grads(self) -> StepControl | None:
+        """This epoch's pre-scheduled gradient round, if any (hivemind's attribute)."""
+        return self._scheduled_grads
 
     @property
     def use_gradient_averaging(self) -> bool:

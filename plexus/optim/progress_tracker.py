@@ -28,6 +28,10 @@ A signature only says who wrote a record, not that it is true, so readers trust 
   its claim failed the check it counts for nothing, so it neither moves the epoch nor holds up
   rounds, and it is asked about again at most every `max_refresh_period`.
 
+Records signed with an RSA key (`private_key=RSAPrivateKey(...)`, as hivemind's trackers sign) name
+no libp2p peer id, so nothing ties their `peer_id` to their signer: only trackers that sign with RSA
+themselves accept them, and in such a run a member can claim another's peer id.
+
 Both loops run on the DHT's event loop; the training thread only calls cheap, thread-safe methods.
 """
 
@@ -44,13 +48,15 @@ from ..averaging.state_download import stated_priority
 from ..dht.crypto import OWNER_PATTERN, Ed25519SignatureValidator
 from ..dht.dht import DHT
 from ..dht.routing import DHTID
+from ..dht.rsa import OWNER_PATTERN as RSA_OWNER
+from ..dht.rsa import RSAPrivateKey, RSASignatureValidator
 from ..dht.schema import OwnerPublicKey, SchemaValidator
 from ..dht.validation import DHTRecord, RecordValidatorBase
-from ..p2p.identity import IdentityError, PeerID, PublicKey
+from ..p2p.identity import IdentityError, PeerID, PrivateKey, PublicKey
 from ..utils.logging import RateLimitedLog, get_logger
+from ..utils.performance_ema import PerformanceEMA
 from ..utils.serializer import MSGPackSerializer, SerializationError
 from ..utils.timing import get_dht_time
-from .performance_ema import PerformanceEMA
 
 logger = get_logger(__name__)
 
@@ -96,10 +102,16 @@ class ProgressBounds:
             raise ValueError(f"invalid {self}: skew >= 0, expiration > 0, factors >= 1, speed > 0")
 
 
-def signer_of(subkey) -> PeerID | None:
-    """The peer whose key a progress sub-key names (None if it names none)."""
+def signer_of(subkey, report: "LocalTrainingProgress | None" = None, rsa_records: bool = False) -> PeerID | None:
+    """The peer whose key a progress sub-key names (None if it names none).
+
+    An RSA key (hivemind's records, accepted only by trackers that sign with RSA themselves) names
+    no libp2p peer: its record's `peer_id` is taken as stated."""
     match = OWNER_PATTERN.fullmatch(subkey) if isinstance(subkey, bytes) else None
     if match is None:
+        if rsa_records and report is not None and isinstance(subkey, bytes) and RSA_OWNER.fullmatch(subkey):
+            with contextlib.suppress(IdentityError, ValueError):
+                return PeerID(report.peer_id)
         return None
     try:
         public_key = PublicKey.from_protobuf(base64.b64decode(match.group(1), validate=True))
@@ -127,8 +139,8 @@ class _ProgressRecordValidator(RecordValidatorBase):
     """Storing nodes refuse progress records that name another peer than their signer, or that
     live longer than the bounds allow."""
 
-    def __init__(self, key: str, bounds: ProgressBounds):
-        self.key_id, self.bounds = DHTID.generate(source=key).to_bytes(), bounds
+    def __init__(self, key: str, bounds: ProgressBounds, rsa_records: bool = False):
+        self.key_id, self.bounds, self.rsa_records = DHTID.generate(source=key).to_bytes(), bounds, rsa_records
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id or record.subkey == MSGPackSerializer.dumps(None):
@@ -141,12 +153,14 @@ class _ProgressRecordValidator(RecordValidatorBase):
         if value is None:
             return True  # a peer that left
         report = _parse(value)
-        return report is not None and broken_bound(report, signer_of(subkey), record.expiration_time,
-                                                   self.bounds) is None
+        if report is None:
+            return False
+        signer = signer_of(subkey, report, self.rsa_records)
+        return broken_bound(report, signer, record.expiration_time, self.bounds) is None
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, _ProgressRecordValidator) and \
-            (other.key_id, other.bounds) == (self.key_id, self.bounds)
+            (other.key_id, other.bounds, other.rsa_records) == (self.key_id, self.bounds, self.rsa_records)
 
 
 @dataclass(frozen=True)
@@ -169,16 +183,22 @@ class ProgressTracker:
                  expected_drift_rate: float = 0.2, performance_ema_alpha: float = 0.1,
                  metadata_expiration: float = 60.0, status_loglevel: int = logging.DEBUG, start: bool = True,
                  bounds: ProgressBounds = ProgressBounds(), state_prefix: str | None = None,
-                 epoch_claim_grace: float | None = None):
+                 epoch_claim_grace: float | None = None, private_key: PrivateKey | RSAPrivateKey | None = None):
         """`bounds`: what a peer's record may claim. `state_prefix`: where peers serve their training
         state (the Optimizer passes its state averager's prefix), to check a peer's claim to be ahead
         of the majority's epoch, once it stood for `epoch_claim_grace` seconds (default:
-        `max_refresh_period`). See the module docstring."""
-        if not min_refresh_period <= default_refresh_period <= max_refresh_period:
-            raise ValueError("refresh periods must satisfy min <= default <= max")
+        `max_refresh_period`). `private_key` signs this peer's records: the DHT's own Ed25519
+        identity by default, or the key given (an Ed25519 PrivateKey, or an RSAPrivateKey as
+        hivemind's records use; see the module docstring for what RSA records cannot prove). See
+        the module docstring."""
+        if min_refresh_period > max_refresh_period:
+            raise ValueError(f"min_refresh_period={min_refresh_period} exceeds "
+                             f"max_refresh_period={max_refresh_period}")
         if not 0 < metadata_expiration < bounds.max_expiration:
             raise ValueError(f"metadata_expiration must be positive and below bounds.max_expiration "
                              f"({bounds.max_expiration}), got {metadata_expiration}")
+        # hivemind accepts a default outside [min, max] (tracker_opts often set only max): clip it
+        default_refresh_period = min(max(default_refresh_period, min_refresh_period), max_refresh_period)
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         self.min_refresh_period, self.max_refresh_period = min_refresh_period, max_refresh_period
@@ -189,10 +209,12 @@ class ProgressTracker:
         self.performance_ema = PerformanceEMA(alpha=performance_ema_alpha)
         self.bounds, self.state_prefix = bounds, state_prefix
         self.epoch_claim_grace = max_refresh_period if epoch_claim_grace is None else epoch_claim_grace
-        signer = Ed25519SignatureValidator(dht.private_key)
+        self.rsa_records = isinstance(private_key, RSAPrivateKey)
+        signer = (RSASignatureValidator(private_key) if self.rsa_records
+                  else Ed25519SignatureValidator(private_key or dht.private_key))
         self._subkey = signer.local_public_key
         dht.add_validators([signer, SchemaValidator(TrainingProgressSchema, prefix=prefix),
-                            _ProgressRecordValidator(self.training_progress_key, bounds)])
+                            _ProgressRecordValidator(self.training_progress_key, bounds, self.rsa_records)])
         self._rejections = RateLimitedLog(logger)
         self._claims: dict[bytes, tuple[int, float]] = {}  # peer -> (epoch it claims ahead of us, since when)
         self._confirmed: dict[bytes, int] = {}  # peer -> the epoch its state server confirmed
@@ -230,6 +252,10 @@ class ProgressTracker:
 
     async def _run(self) -> None:
         await asyncio.gather(self._report_loop(), self._fetch_loop())
+
+    def is_alive(self) -> bool:
+        """Whether the reporting and fetching loops still run (until `shutdown`)."""
+        return bool(self._tasks) and not self._tasks[0].done()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop both loops and tell the swarm we left (stores None under our sub-key)."""
@@ -326,6 +352,11 @@ class ProgressTracker:
     # --- fetching ----------------------------------------------------------------------------------
 
     @property
+    def global_epoch(self) -> int:
+        """The swarm's epoch as last read (the highest among non-client peers)."""
+        return self.global_progress.epoch
+
+    @property
     def ready_to_update_epoch(self) -> bool:
         """True when the samples the peers reported reach the target batch, or the swarm moved on.
 
@@ -387,7 +418,8 @@ class ProgressTracker:
     def _within_bounds(self, report: LocalTrainingProgress, subkey, expiration_time: float,
                        now: float) -> bool:
         max_speed = self.bounds.max_epochs_per_second * self.target_batch_size
-        broken = broken_bound(report, signer_of(subkey), expiration_time, self.bounds, now)
+        signer = signer_of(subkey, report, self.rsa_records)
+        broken = broken_bound(report, signer, expiration_time, self.bounds, now)
         if broken is None and report.samples_accumulated > self._max_samples:
             broken = "max_samples_factor", (f"it claims {report.samples_accumulated} samples "
                                             f"(at most {self._max_samples})")
@@ -395,7 +427,7 @@ class ProgressTracker:
             broken = "max_epochs_per_second", (f"it claims {report.samples_per_second:.3g} samples/s "
                                                f"(at most {max_speed})")
         if broken is not None:
-            peer = signer_of(subkey) or report.peer_id[:64]
+            peer = signer or report.peer_id[:64]
             self._rejections.warning((broken[0], peer), f"ignoring the progress record of {peer}: "
                                                         f"{broken[1]}")
         return broken is None

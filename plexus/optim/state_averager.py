@@ -71,6 +71,7 @@ from ..averaging.control import StepControl
 from ..averaging.state_download import StateDownloadError
 from ..compression import CompressionInfo, TensorRole
 from ..utils.logging import get_logger
+from ..utils.performance_ema import PerformanceEMA
 from ..utils.serializer import MSGPackSerializer, SerializationError
 from .optimizer_state import (
     flatten_optimizer_state,
@@ -78,7 +79,6 @@ from .optimizer_state import (
     optimizer_parameters,
     unflatten_optimizer_state,
 )
-from .performance_ema import PerformanceEMA
 
 logger = get_logger(__name__)
 

@@ -13,6 +13,8 @@ import os
 import threading
 from collections.abc import Coroutine
 
+from .futures import AwaitableFuture, run_threadsafe
+
 _lock = threading.Lock()
 _instance: "BackgroundLoop | None" = None
 
@@ -34,9 +36,10 @@ class BackgroundLoop:
         self.loop.call_soon(ready.set)
         self.loop.run_forever()
 
-    def submit(self, coroutine: Coroutine) -> concurrent.futures.Future:
-        """Schedule `coroutine` on the loop; returns a thread-safe future of its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    def submit(self, coroutine: Coroutine) -> AwaitableFuture:
+        """Schedule `coroutine` on the loop; returns a thread-safe future of its result, which
+        asyncio code may also await."""
+        return run_threadsafe(coroutine, self.loop)
 
     def run(self, coroutine: Coroutine, timeout: float | None = None):
         """Run `coroutine` on the loop and wait for its result (never call this from the loop itself)."""

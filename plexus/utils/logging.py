@@ -29,13 +29,15 @@ class _Formatter(logging.Formatter):
         return super().format(record)
 
 
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name)
+def get_logger(name: str | None = None) -> logging.Logger:
+    """The logger for `name` (a module's `__name__`), or Plexus's own when no name is given."""
+    return logging.getLogger(name or _ROOT)
 
 
-def use_plexus_log_handler(level: str | None = None, stream=None) -> None:
-    """Install the Plexus format on the `plexus` logger (idempotent)."""
-    logger = logging.getLogger(_ROOT)
+def use_plexus_log_handler(level: str | None = None, stream=None, logger_name: str = _ROOT) -> None:
+    """Install the Plexus format on the `plexus` logger, or on another one such as the root
+    logger (`logger_name=""`) to format an application's own logs too (idempotent)."""
+    logger = logging.getLogger(logger_name)
     level = level or os.environ.get("PLEXUS_LOGLEVEL", "INFO")
     logger.setLevel(level.upper())
     if any(getattr(handler, "_plexus", False) for handler in logger.handlers):
@@ -44,7 +46,17 @@ def use_plexus_log_handler(level: str | None = None, stream=None) -> None:
     handler.setFormatter(_Formatter("%(asctime)s [%(levelname)s] [%(short_name)s] %(message)s"))
     handler._plexus = True
     logger.addHandler(handler)
-    logger.propagate = False
+    if logger_name == _ROOT:
+        logger.propagate = False
+
+
+def remove_plexus_log_handler(logger_name: str = _ROOT) -> None:
+    """Undo `use_plexus_log_handler` on that logger."""
+    logger = logging.getLogger(logger_name)
+    for handler in [h for h in logger.handlers if getattr(h, "_plexus", False)]:
+        logger.removeHandler(handler)
+    if logger_name == _ROOT:
+        logger.propagate = True
 
 
 class RateLimitedLog:

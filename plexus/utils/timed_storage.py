@@ -1,6 +1,7 @@
 """A dictionary whose entries expire at absolute times, with an optional size cap.
 
-Time is a parameter (`now`), never read here, so expiry is deterministic in tests. Expired entries
+Time is a parameter (`now`), so expiry is deterministic in tests; a call that leaves it out reads
+the DHT clock (`get_dht_time`), as hivemind's TimedStorage does. Expired entries
 vanish: every read first sweeps them out. Expirations sit in a heap with lazy deletion (an entry is
 live only if it still matches the stored expiration); the heap is rebuilt when stale entries
 outnumber live ones, so memory stays proportional to the live size. With `maxsize`, storing past
@@ -12,6 +13,8 @@ subclass can keep its own bookkeeping of what is held.
 import heapq
 import itertools
 from typing import Generic, Hashable, Iterator, NamedTuple, TypeVar
+
+from .timing import get_dht_time
 
 KeyType = TypeVar("KeyType", bound=Hashable)
 ValueType = TypeVar("ValueType")
@@ -35,8 +38,9 @@ class TimedStorage(Generic[KeyType, ValueType]):
         self._heap: list[tuple[float, int, KeyType]] = []
         self._counter = itertools.count()
 
-    def store(self, key: KeyType, value: ValueType, expiration_time: float, now: float) -> bool:
+    def store(self, key: KeyType, value: ValueType, expiration_time: float, now: float | None = None) -> bool:
         """Keep `value` unless it is already expired or the current entry expires no earlier."""
+        now = get_dht_time() if now is None else now
         self.remove_outdated(now)
         if expiration_time <= now:
             return False
@@ -70,21 +74,22 @@ class TimedStorage(Generic[KeyType, ValueType]):
                 self._forget(key, self.data.pop(key))
                 return
 
-    def remove_outdated(self, now: float) -> None:
+    def remove_outdated(self, now: float | None = None) -> None:
+        now = get_dht_time() if now is None else now
         while self._heap and self._heap[0][0] <= now:
             expiration_time, _, key = heapq.heappop(self._heap)
             if self._is_live(expiration_time, key):
                 self._forget(key, self.data.pop(key))
 
-    def get(self, key: KeyType, now: float) -> ValueWithExpiration[ValueType] | None:
+    def get(self, key: KeyType, now: float | None = None) -> ValueWithExpiration[ValueType] | None:
         self.remove_outdated(now)
         return self.data.get(key)
 
-    def items(self, now: float) -> Iterator[tuple[KeyType, ValueWithExpiration[ValueType]]]:
+    def items(self, now: float | None = None) -> Iterator[tuple[KeyType, ValueWithExpiration[ValueType]]]:
         self.remove_outdated(now)
         return iter(list(self.data.items()))
 
-    def top(self, now: float) -> tuple[KeyType, ValueWithExpiration[ValueType]] | None:
+    def top(self, now: float | None = None) -> tuple[KeyType, ValueWithExpiration[ValueType]] | None:
         """The entry that expires soonest (the next to vanish), or None when empty."""
         self.remove_outdated(now)
         while self._heap and not self._is_live(self._heap[0][0], self._heap[0][2]):
@@ -104,6 +109,17 @@ class TimedStorage(Generic[KeyType, ValueType]):
 
     def _forget(self, key: KeyType, item: ValueWithExpiration[ValueType]) -> None:
         """Called for every entry that leaves (expired, evicted, removed or replaced); no-op here."""
+
+    def __getitem__(self, key: KeyType) -> ValueWithExpiration[ValueType]:
+        """The live entry for `key` (KeyError if there is none) at the current DHT time."""
+        item = self.get(key)
+        if item is None:
+            raise KeyError(key)
+        return item
+
+    def __delitem__(self, key: KeyType) -> None:
+        if not self.remove(key):
+            raise KeyError(key)
 
     def __contains__(self, key: KeyType) -> bool:
         return key in self.data

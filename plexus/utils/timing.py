@@ -10,6 +10,7 @@ import time
 from typing import Callable, Iterator
 
 DHTExpiration = float
+MAX_DHT_TIME_DISCREPANCY_SECONDS = 3.0  # peers whose clocks differ by more get a warning on ping
 _clock: Callable[[], float] = time.time
 
 

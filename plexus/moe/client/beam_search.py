@@ -21,7 +21,7 @@ from ...dht.node import DHTNode
 from ...utils.logging import get_logger
 from ...utils.timing import get_dht_time
 from ..expert_registry import EMPTY_PREFIX_SUBKEY, learn_addresses, parse_successors
-from ..expert_uid import UID_DELIMITER, ExpertInfo, ExpertPrefix
+from ..expert_uid import UID_DELIMITER, ExpertInfo, ExpertPrefix, is_valid_prefix
 from .beam import BeamSearch, Successors
 from .expert import RemoteExpert
 
@@ -49,6 +49,8 @@ class MoEBeamSearcher:
                  negative_caching: bool = True, cache_expiration: float = 300):
         if not uid_prefix.endswith(UID_DELIMITER):
             uid_prefix += UID_DELIMITER
+        if not is_valid_prefix(uid_prefix):
+            raise ValueError(f"{uid_prefix!r} is not a valid uid prefix (a name, coordinates, e.g. 'ffn.')")
         if not grid_size or any(int(size) < 1 for size in grid_size):
             raise ValueError(f"grid_size must be a non-empty sequence of positive sizes, got {grid_size}")
         self.dht, self.uid_prefix, self.grid_size = dht, uid_prefix, tuple(int(size) for size in grid_size)
@@ -92,7 +94,8 @@ class MoEBeamSearcher:
         searches = []
         for grid_scores in batch_grid_scores:
             scores = [_as_floats(s) for s in grid_scores]
-            if tuple(len(s) for s in scores) != self.grid_size:
+            # as in hivemind, a dimension may be scored short: coordinates past its scores are not chosen
+            if len(scores) != len(self.grid_size) or any(len(s) > n for s, n in zip(scores, self.grid_size)):
                 raise ValueError(f"scores of sizes {[len(s) for s in scores]} do not fit grid_size "
                                  f"{self.grid_size}")
             searches.append(BeamSearch(self.uid_prefix, scores, beam_size))
@@ -139,8 +142,34 @@ class MoEBeamSearcher:
             return [self._remote(infos) for infos in found]
         return self.dht.run_coroutine(search, return_future=return_future)
 
+    async def get_initial_beam_async(self, node: DHTNode, scores: Sequence[float],
+                                     beam_size: int) -> list[tuple[float, ExpertPrefix, Successors]]:
+        """The first step of a search: (score, prefix, successors) of the `beam_size` best-scoring
+        populated prefixes `uid_prefix{i}.` of the first dimension, best first. Prefixes are looked
+        up best first, `beam_size` per DHT lookup, until enough are found or none are left."""
+        scores = _as_floats(scores)
+        order = sorted(range(len(scores)), key=lambda index: -scores[index])
+        beam = []
+        while order and len(beam) < beam_size:
+            batch, order = order[:beam_size], order[beam_size:]
+            prefixes = [f"{self.uid_prefix}{index}{UID_DELIMITER}" for index in batch]
+            found = await self.fetch_successors(node, prefixes)
+            beam += [(scores[index], prefix, found[prefix])
+                     for index, prefix in zip(batch, prefixes) if found[prefix]]
+        return beam[:beam_size]
+
+    def get_initial_beam(self, scores: Sequence[float], beam_size: int, return_future: bool = False):
+        """`get_initial_beam_async` from any thread (hivemind's API)."""
+        async def fetch(dht, node):
+            return await self.get_initial_beam_async(node, scores, beam_size)
+        return self.dht.run_coroutine(fetch, return_future=return_future)
+
     def get_active_successors(self, prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
         """The populated next coordinates of each prefix, as read from the DHT now."""
+        bad = [prefix for prefix in prefixes if not is_valid_prefix(prefix)]
+        if bad:
+            raise ValueError(f"invalid prefixes {bad[:3]}: a prefix ends with the delimiter, e.g. 'ffn.3.'")
+
         async def fetch(dht, node):
             return await self.fetch_successors(node, list(prefixes))
         return self.dht.run_coroutine(fetch)

@@ -120,13 +120,15 @@ class RemoteExpert(nn.Module):
 
     Args:
         expert_info: the uid and the server's peer id (the host must know or find its addresses).
-        host: a started Host running on the background loop.
+        host: a started Host running on the background loop (or what `DHT.replicate_p2p()` or
+            `plexus.compat`'s P2P hands out: anything with a `.host`).
         timeout: seconds allowed for each network call.
     """
 
     def __init__(self, expert_info: ExpertInfo, host: Host, *, timeout: float = DEFAULT_TIMEOUT):
         super().__init__()
-        self.expert_info, self.host, self.timeout = ExpertInfo(*expert_info), host, timeout
+        self.expert_info, self.timeout = ExpertInfo(*expert_info), timeout
+        self.host = getattr(host, "host", host)
         self._schema: ExpertSchema | None = None
 
     @property

@@ -182,19 +182,27 @@ class RemoteMixtureOfExperts(nn.Module):
 
     # --- gating -------------------------------------------------------------------------------------
 
-    def chosen_coordinates(self, chosen: list[list[ExpertInfo]], device=None) -> torch.Tensor:
-        """[batch, k, dims] grid coordinates of the chosen experts (0 in empty slots)."""
+    def chosen_coordinates(self, chosen: list[list[ExpertInfo]], device=None,
+                           dims: int | None = None) -> torch.Tensor:
+        """[batch, k, dims] grid coordinates of the chosen experts (0 in empty slots). The coordinates
+        are read from the uids, which must have `dims` of them (default: the grid's)."""
         k = max((len(experts) for experts in chosen), default=0)
-        start, dims = len(self.uid_prefix), len(self.grid_size)
+        start, dims = len(self.uid_prefix), len(self.grid_size) if dims is None else dims
         padding = [0] * dims
-        rows = [[[int(c) for c in expert.uid[start:].split(UID_DELIMITER)] for expert in experts]
-                + [padding] * (k - len(experts)) for experts in chosen]
+        rows = []
+        for experts in chosen:
+            row = [[int(c) for c in expert.uid[start:].split(UID_DELIMITER)] for expert in experts]
+            if any(len(coordinates) != dims for coordinates in row):
+                raise ValueError(f"expected uids {self.uid_prefix}<{dims} coordinates>, got "
+                                 f"{[expert.uid for expert in experts]}")
+            rows.append(row + [padding] * (k - len(experts)))
         return torch.tensor(rows, dtype=torch.long, device=device).view(len(chosen), k, dims)
 
     def compute_expert_scores(self, grid_scores: Sequence[torch.Tensor],
                               chosen: list[list[ExpertInfo]]) -> torch.Tensor:
-        """[batch, k] logits of the chosen experts: the sums of their coordinates' gate scores."""
-        coordinates = self.chosen_coordinates(chosen, grid_scores[0].device)
+        """[batch, k] logits of the chosen experts: the sums of their coordinates' gate scores, one
+        [batch, size] score tensor per coordinate of their uids."""
+        coordinates = self.chosen_coordinates(chosen, grid_scores[0].device, dims=len(grid_scores))
         return sum(scores.gather(1, coordinates[..., dim]) for dim, scores in enumerate(grid_scores))
 
     def expert_weights(self, grid_scores, chosen, mask: torch.Tensor) -> torch.Tensor:

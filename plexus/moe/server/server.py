@@ -119,7 +119,7 @@ class Server:
         self.ready.set()
         if self.dht is not None:
             self._declare_experts()
-        logger.info(f"serving {len(self.module_backends)} experts as {self.host.peer_id}")
+        logger.debug(f"serving {len(self.module_backends)} experts as {self.host.peer_id}")
 
     async def _start_on_loop(self) -> None:
         self.handler.register()
@@ -311,9 +311,11 @@ def _make_backends(uids, expert_cls, hidden_dim, optim_cls, scheduler, num_warmu
 def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: random.Random,
                  find_taken=None) -> list[str]:
     if expert_uids is not None:
-        if num_experts is not None and num_experts != len(expert_uids):
-            raise ValueError(f"num_experts={num_experts} disagrees with the {len(expert_uids)} expert_uids given")
-        uids = list(expert_uids)
+        uids = list(dict.fromkeys(expert_uids))  # a uid given twice is one expert, as in hivemind
+        if len(uids) < len(expert_uids):
+            logger.info(f"serving {len(uids)} experts: {len(expert_uids) - len(uids)} uids were given twice")
+        if num_experts is not None and num_experts != len(uids):
+            raise ValueError(f"num_experts={num_experts} disagrees with the {len(uids)} distinct expert_uids")
     else:
         uids = saved_expert_uids(checkpoint_dir) if checkpoint_dir is not None else []
         if num_experts is None and not uids:
@@ -328,8 +330,6 @@ def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: 
     bad = [uid for uid in uids if not is_valid_uid(uid)]
     if bad:
         raise ValueError(f"invalid expert uids {bad[:5]}: a uid is a name and integer coordinates, e.g. 'ffn.0.3'")
-    if len(set(uids)) != len(uids):
-        raise ValueError("expert uids repeat")
     return uids
 
 

@@ -404,6 +404,40 @@ def test_too_few_peers_get_none_at_their_deadline():
     run(main, 25)
 
 
+@pytest.mark.timeout(40)
+def test_with_alone_timeout_a_round_gives_up_when_nobody_else_looks_but_never_while_someone_does():
+    async def main():
+        swarm = await Swarm.create(4)
+        try:
+            options = dict(min_matchmaking_time=0.5, request_timeout=0.5)
+            lone, = swarm.add_matchmakers([0], prefix="lone", **options)
+            results, times = await look([lone], timeout=20, alone_timeout=0.0)
+            assert results == [None] and lone.last_round_alone and times[0] < 10, "gave up long before the deadline"
+
+            # a peer that arrives after the first one declared is waited for
+            first, second = swarm.add_matchmakers([1, 2], prefix="pair", **options)
+            early = asyncio.ensure_future(look([first], timeout=20, alone_timeout=0.0))
+            await wait_until(lambda: first.peer_id in first._view, timeout=5)
+            late, _ = await look([second], timeout=20, alone_timeout=0.0)
+            (result, *_), _ = await early
+            assert result is not None and late == [result] and not first.last_round_alone
+
+            # a peer that died after declaring (no withdrawal) is not waited for beyond its declaration
+            survivor, victim = swarm.add_matchmakers([3, 0], prefix="dead", **options)
+            loop = asyncio.get_running_loop()
+            dying = loop.create_task(victim.look_for_group(gather=b"v", deadline=loop.time() + 20))
+            await wait_until(lambda: victim.peer_id in victim._view, timeout=5)
+            await swarm.hosts[0].shutdown()
+            dying.cancel()
+            await asyncio.gather(dying, return_exceptions=True)
+            results, times = await look([survivor], timeout=20, alone_timeout=0.0)
+            assert results == [None] and survivor.last_round_alone and times[0] < 10
+        finally:
+            await swarm.close()
+
+    run(main, 35)
+
+
 @pytest.mark.timeout(60)
 def test_a_late_peer_still_gets_in_while_the_leader_waits():
     async def main():

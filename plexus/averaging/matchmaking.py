@@ -107,7 +107,7 @@ class Matchmaking:
                                        target_group_size=target_group_size, min_group_size=min_group_size)
         self._rng = random.SystemRandom()
         self._max_poll_interval = min(1.0, max(0.1, min_matchmaking_time / 5))
-        self._running = False
+        self._one_round = asyncio.Lock()  # rounds run one at a time (a cancelled one may still unwind)
         self._wakeup = self._poll_now = None  # asyncio.Events of the current round
         self._view: dict[PeerID, float] = {}
         self._declared_until: float | None = None  # the latest time we declared this round
@@ -116,6 +116,8 @@ class Matchmaking:
         self._tasks: set[asyncio.Task] = set()
         self.last_leader: PeerID | None = None
         """The leader of the last group we formed (our own id if we led it)."""
+        self.last_round_alone = False
+        """Whether the last round ended early because no other peer was looking (see `alone_timeout`)."""
         self._register()
 
     # --- configuration ------------------------------------------------------------------------
@@ -159,35 +161,50 @@ class Matchmaking:
     # --- one round ----------------------------------------------------------------------------
 
     async def look_for_group(self, *, gather: bytes, deadline: float, scheduled_time: float | None = None,
-                             expected_group_size: int | None = None) -> GroupInfo | None:
+                             expected_group_size: int | None = None,
+                             alone_timeout: float | None = None) -> GroupInfo | None:
         """Find a group before `deadline` (event-loop time); None if there is none by then.
 
         `scheduled_time` (DHT time) is the earliest moment we want to assemble; by default
         now + min_matchmaking_time. With `expected_group_size`, a group does not form before that
-        time with fewer members. On success the group bits move on (see `next_group_bits`).
+        time with fewer members. With `alone_timeout`, the round gives up (None, and
+        `last_round_alone` is set) once it is that many seconds past the scheduled time with nobody
+        else in sight: no follower, and a fresh read of the bucket shows no other live declaration
+        (peers that failed to answer us do not count). On success the group bits move on (see
+        `next_group_bits`).
+
+        Rounds run one at a time: a round started while the previous one is still unwinding (it
+        was cancelled and is withdrawing its declaration) waits for it to finish.
         """
-        if self._running:
-            raise RuntimeError("look_for_group is already running for this averager")
         if len(gather) > MAX_GATHER_BYTES:
             raise ValueError(f"gather of {len(gather)} bytes exceeds the {MAX_GATHER_BYTES}-byte limit")
+        async with self._one_round:
+            return await self._one_round_of_matchmaking(bytes(gather), deadline, scheduled_time,
+                                                        expected_group_size, alone_timeout)
+
+    async def _one_round_of_matchmaking(self, gather: bytes, deadline: float, scheduled_time: float | None,
+                                        expected_group_size: int | None,
+                                        alone_timeout: float | None) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
-        self._running, group, key = True, None, self.group_key
-        self._state.start(key, bytes(gather), expected_group_size)
+        group, key = None, self.group_key
+        self.last_round_alone = False
+        self._state.start(key, gather, expected_group_size)
         self._wakeup, self._poll_now = asyncio.Event(), asyncio.Event()
         self._view, self._refused, self._declared_until = {}, {}, None
+        alone_after = None
+        if alone_timeout is not None:
+            alone_after = (scheduled_time if scheduled_time is not None
+                           else self._clock() + self.min_matchmaking_time) + alone_timeout
         poller = None
         try:
             if not self.client_mode:  # the store runs while we read the bucket and ask leaders
                 self._declare(key, deadline, scheduled_time, self.min_matchmaking_time)
             poller = loop.create_task(self._poll(key))
-            group = await self._match(key, deadline)
+            group = await self._match(key, deadline, alone_after)
             return group
-        finally:
+        finally:  # the synchronous part first: a second cancellation cannot skip it
             if self._state.phase in (Phase.LOOKING, Phase.FOLLOWING):
                 self._deliver(self._state.stop("the leader stopped looking for a group"))
-            if poller is not None:
-                poller.cancel()
-                await asyncio.gather(poller, return_exceptions=True)
             if self._declared_until is not None:
                 self._spawn(self._withdraw(key, self._declared_until, self._stores))
             self._stores = set()
@@ -195,9 +212,11 @@ class Matchmaking:
                 self.last_leader = self._state.leader
                 self._group_bits = next_group_bits(self._group_bits, group, self.peer_id,
                                                    self.target_group_size)
-            self._running = False
+            if poller is not None:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
 
-    async def _match(self, key: str, deadline: float) -> GroupInfo | None:
+    async def _match(self, key: str, deadline: float, alone_after: float | None) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         suggestion, redirects = None, 0
         while True:
@@ -208,6 +227,13 @@ class Matchmaking:
             view = self._view if self.assemble_when_all_joined else None
             if self._state.should_assemble(self._clock(), view):
                 return self._assemble()
+            if alone_after is not None and self._clock() >= alone_after:
+                if await self._nobody_else_looking(key):
+                    logger.debug(f"{self._state!r}: nobody else is looking for a group; giving up")
+                    self.last_round_alone = True
+                    return None
+                alone_after = self._clock() + self._max_poll_interval  # look again a little later
+                continue
             if self._own_time_passed() and not self._state.should_assemble(self._clock(), view):
                 if self._extend(key, deadline):
                     continue
@@ -222,11 +248,32 @@ class Matchmaking:
                 else:
                     redirects = 0
                 continue
+            wake_at = min(deadline, self._own_timer(), self._loop_time_of(alone_after))
             try:
-                async with asyncio.timeout_at(min(deadline, self._own_timer())):
+                async with asyncio.timeout_at(wake_at):
                     await self._wakeup.wait()
             except TimeoutError:
                 pass
+
+    async def _nobody_else_looking(self, key: str) -> bool:
+        """Alone: no follower, and a fresh read of the bucket shows no other live declaration of a
+        peer that has not failed us."""
+        if self._state.phase is not Phase.LOOKING or self._state.group_size > 1:
+            return False
+        view = await self._read_bucket(key)
+        if view is not None:
+            self._view = view
+        if self._state.phase is not Phase.LOOKING or self._state.group_size > 1:
+            return False  # someone joined us while we read
+        now = self._clock()
+        return not any(peer != self.peer_id and declared > now and not self._failed_us(peer)
+                       for peer, declared in self._view.items())
+
+    def _failed_us(self, peer: PeerID) -> bool:
+        """`peer` refused us for good, or broke a join request of ours (unreachable, timed out,
+        nonsense), under the declaration it still shows: it is not someone to wait for."""
+        refused = self._refused.get(peer)
+        return refused is not None and refused[1] == math.inf and refused[0] == self._view.get(peer)
 
     def _assemble(self) -> GroupInfo:
         group, notices = self._state.assemble(os.urandom(GROUP_ID_BYTES), self._rng.shuffle)
@@ -374,7 +421,13 @@ class Matchmaking:
         """Event-loop time at which our declared time comes (inf if none or already past)."""
         if self._state.declared is None or self._own_time_passed():
             return math.inf
-        return asyncio.get_running_loop().time() + (self._state.declared - self._clock())
+        return self._loop_time_of(self._state.declared)
+
+    def _loop_time_of(self, moment: float | None) -> float:
+        """The event-loop time of `moment` on our (DHT) clock; inf for None."""
+        if moment is None:
+            return math.inf
+        return asyncio.get_running_loop().time() + (moment - self._clock())
 
     async def _try_leader(self, leader: PeerID, deadline: float) -> GroupInfo | PeerID | None:
         """Ask `leader` to take us in. Returns the group, a leader to try next, or None."""

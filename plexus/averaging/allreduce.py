@@ -100,6 +100,10 @@ class SenderExcluded(Exception):
     """A reducer excluded a sender from the rest of the round; the text says why (sent to it)."""
 
 
+EXCLUDED_YOU = "excluded you from all-reduce"
+"""Begins the error text a reducer sends a sender it went on without (the others' round goes on)."""
+
+
 @dataclass(frozen=True)
 class SpanFailure:
     """A span this peer sent but did not get fully averaged back; parts from `parts_received` on
@@ -109,6 +113,8 @@ class SpanFailure:
     parts_received: int
     parts_total: int
     reason: str
+    excluded: bool = False
+    """The reducer went on without us (it excluded this peer): the others got its whole span."""
 
 
 @dataclass
@@ -332,7 +338,8 @@ class AllReduceRunner:
                 reason = f"{type(error).__name__}: {error}"
             logger.warning(f"all-reduce {self.group_id.hex()[:8]}: span of {peer.short()} failed after {received} "
                            f"of {total} parts ({reason}); keeping local values for the rest of it")
-            self.report.failed_spans.append(SpanFailure(peer, received, total, reason))
+            excluded = isinstance(error, rpc.RPCError) and str(error).startswith(EXCLUDED_YOU)
+            self.report.failed_spans.append(SpanFailure(peer, received, total, reason, excluded))
         finally:
             await responses.aclose()
 
@@ -415,8 +422,8 @@ class AllReduceRunner:
         completed = self._core.exclude(sender, reason, asyncio.get_running_loop().time())
         channel = self._channels.get(sender)
         if channel is not None:
-            channel.push(SenderExcluded(f"{self.host.peer_id.short()} excluded you from all-reduce "
-                                        f"{self.group_id.hex()[:8]}: {reason}"))
+            channel.push(SenderExcluded(f"{EXCLUDED_YOU} {self.group_id.hex()[:8]} "
+                                        f"({self.host.peer_id.short()}): {reason}"))
             channel.close()
             if channel.reader is not None and channel.reader is not asyncio.current_task():
                 channel.reader.cancel()
@@ -506,7 +513,7 @@ class AllReduceRunner:
         except TimeoutError:
             raise SenderExcluded("this peer has not started the round; is the group id stale?") from None
         if sender in self._core.excluded:
-            raise SenderExcluded(f"excluded from all-reduce {self.group_id.hex()[:8]}: {self._core.excluded[sender]}")
+            raise SenderExcluded(f"{EXCLUDED_YOU} {self.group_id.hex()[:8]}: {self._core.excluded[sender]}")
         if sender in self._channels:
             raise SenderExcluded("a second stream from the same sender; one per reducer and round")
         channel = self._channels[sender] = _Channel(stream)

@@ -54,6 +54,11 @@ class NoPeersError(AveragingError):
     """A step with `alone_timeout` gave up: no other peer was looking for a group."""
 
 
+class LeftOutError(AveragingError):
+    """With `accept_partial=False`: a reducer excluded this peer from the round (too slow, or its
+    stream broke), and the rest of the group averaged without it. Not retried: that group is over."""
+
+
 class DecentralizedAverager:
     """Averages `averaged_tensors` with other peers under the same `prefix`.
 
@@ -235,8 +240,9 @@ class DecentralizedAverager:
 
         `accept_partial=False`: a round in which a span of ours failed (its reducer left, so those
         parts kept our local values) counts as failed: our tensors are left exactly as they were,
-        and the step retries with a new group while the deadline allows. Then every successful
-        step leaves this peer with the same result as everyone who averaged with it.
+        and the step retries with a new group while the deadline allows, or, if a reducer went on
+        without us, raises LeftOutError. Then every successful step leaves this peer with the same
+        result as everyone who averaged with it.
         `alone_timeout`: give up (NoPeersError, no retry) that many seconds after the scheduled
         time when no other peer is looking for a group, instead of waiting for the deadline.
         """
@@ -333,6 +339,9 @@ class DecentralizedAverager:
             failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
                                for f in report.failed_spans)
             if report.failed_spans and not accept_partial:  # raised inside: the result is not published
+                if any(failure.excluded for failure in report.failed_spans):
+                    raise LeftOutError(f"Averaging step failed: the group {group.group_id.hex()[:8]} averaged "
+                                       f"without this peer: {failed}")
                 raise ConnectionError(f"spans kept local values: {failed}")
         if not report.complete:
             logger.warning(f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "

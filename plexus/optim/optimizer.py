@@ -51,12 +51,20 @@ from typing import Any
 
 import torch
 
-from ..averaging.averager import AveragingError
+from ..averaging.averager import AveragingError, LeftOutError
 from ..averaging.control import AveragingStage, StepControl
 from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
+from .epoch_policy import (
+    EpochAction,
+    after_gradient_round,
+    gradient_weight,
+    overtaken,
+    should_load_state,
+    state_weight,
+)
 from .grad_averager import GradientAverager
 from .grad_scaler import GradScaler
 from .progress_tracker import ProgressTracker
@@ -135,6 +143,7 @@ class Optimizer(torch.optim.Optimizer):
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet
         self._must_load_state = False  # a gradient round showed that we are behind
+        self._load_at_least = 0  # ...and at least which epoch the swarm reached
         self._next_load_attempt = 0.0  # time.monotonic() before which a failed catch-up is not retried
         self._samples_contributed = 0
         self._losses: list[float] = []
@@ -142,6 +151,8 @@ class Optimizer(torch.optim.Optimizer):
         """How many times this peer replaced its state with the swarm's (it was behind)."""
         self.rounds_averaged = 0
         """How many gradient rounds succeeded with this peer's contribution."""
+        self.rounds_failed = 0
+        """How many gradient rounds failed, so that this peer stepped on its own gradients."""
         # torch's own set-up (hooks, profiling); the real groups and state belong to the wrapped optimizer
         super().__init__([{"params": []}], {})
         self.tracker.fetch_global_progress_now(timeout=averaging_timeout)
@@ -281,10 +292,9 @@ class Optimizer(torch.optim.Optimizer):
         tracker's estimate never falls below our own epoch), so any peer at a newer epoch means
         the swarm stepped without us. A load that left us behind (no donor yet, or a dead peer's
         record) is retried only after `max_refresh_period`, not at every batch."""
-        if self._must_load_state:
-            return True
-        behind = self.local_epoch < self.tracker.global_progress.epoch
-        return behind and time.monotonic() >= self._next_load_attempt
+        return should_load_state(self.local_epoch, self.tracker.global_progress.epoch,
+                                 must_load=self._must_load_state, now=time.monotonic(),
+                                 next_attempt=self._next_load_attempt)
 
     def _follow_swarm_epoch(self) -> None:
         """An auxiliary peer holds no model of its own to fix: it just moves to the swarm's epoch."""
@@ -305,13 +315,18 @@ class Optimizer(torch.optim.Optimizer):
 
     def _schedule_gradient_round(self, scheduled_time: float | None = None) -> StepControl:
         """Matchmaking for this epoch's gradients. Members gather their epoch; a peer that finds a
-        member at a newer epoch contributes with weight 0 (see `_withdraw_if_behind`), so the
-        gradients of peers at different epochs are never mixed."""
+        member at a newer epoch contributes with weight 0 (`epoch_policy.gradient_weight`), so the
+        gradients of peers at different epochs are never mixed. A round whose all-reduce lost a
+        span is retried with whoever is left (every success is the same result for all members),
+        and a round that finds nobody else looking one request_timeout after its scheduled time (a
+        declaration may still be landing) ends then, rather than at its deadline."""
         epoch = self.local_epoch
         control = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout,
                                                    gather=None if self.auxiliary else epoch,
-                                                   expected_group_size=self._expected_group_size())
-        control.weight_for_group = functools.partial(_withdraw_if_behind, epoch)
+                                                   expected_group_size=self._expected_group_size(),
+                                                   accept_partial=False,
+                                                   alone_timeout=self.grad_averager.request_timeout)
+        control.weight_for_group = functools.partial(gradient_weight, epoch)
         return control
 
     def _expected_group_size(self) -> int:
@@ -349,7 +364,7 @@ class Optimizer(torch.optim.Optimizer):
                 behind = outcome is _BEHIND
                 wait_for_trigger = None if behind else outcome
             if not behind:
-                self._step_state(progress, swarm_has_peers, wait_for_trigger, grad_scaler)
+                self._step_state(swarm_has_peers, wait_for_trigger, grad_scaler)
         if behind:
             logger.log(self.status_loglevel, "Peers averaged gradients for a newer epoch: this peer is behind "
                                              "and downloads the state instead of stepping")
@@ -357,8 +372,8 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._log_transition()
 
-    def _step_state(self, progress, swarm_has_peers: bool, wait_for_trigger, grad_scaler) -> None:
-        next_epoch = max(self.local_epoch + 1, progress.epoch)
+    def _step_state(self, swarm_has_peers: bool, wait_for_trigger, grad_scaler) -> None:
+        next_epoch = self.local_epoch + 1
         average_state = (swarm_has_peers and next_epoch % self.average_state_every == 0
                          and not self.state_averager.averaging_in_progress)
         output = self.state_averager.step(
@@ -367,9 +382,9 @@ class Optimizer(torch.optim.Optimizer):
             zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
             delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
             delay_averaging=self.delay_state_averaging or self.delay_optimizer_step,  # auxiliary too: it only helps
-            averaging_opts=dict(timeout=self.averaging_timeout, gather=next_epoch,
-                                expected_group_size=self._expected_group_size(),
-                                weight_for_group=functools.partial(_keep_unless_same_epoch, next_epoch))
+            averaging_opts=dict(timeout=self.averaging_timeout, gather=functools.partial(_epoch_and_digest, next_epoch),
+                                expected_group_size=self._expected_group_size(), accept_partial=False,
+                                weight_for_group=functools.partial(state_weight, next_epoch))
             if average_state else None,
             grad_scaler=grad_scaler)
         self._log_finished_state_rounds()  # a new round waited for the previous one
@@ -380,15 +395,14 @@ class Optimizer(torch.optim.Optimizer):
         if output:
             logger.log(self.status_loglevel, f"Averaged parameters with {len(output)} peers")
             self._state_round = None
-        if self.state_averager.local_epoch < progress.epoch:  # a peer stepping alone catches up on the count
-            self.state_averager.local_epoch = progress.epoch
         self._set_epoch_everywhere()
         if self.use_local_updates:
             self._report(0)
 
     def _set_epoch_everywhere(self) -> None:
+        """The tracker and the gradient averager's priority follow our epoch (the state averager's
+        priority follows the state it holds: see TrainingStateAverager)."""
         self.tracker.update_epoch(self.local_epoch)
-        self.state_averager.state_sharing_priority = self.local_epoch
         if self.grad_averager is not None:
             self.grad_averager.state_sharing_priority = self.local_epoch
 
@@ -420,22 +434,29 @@ class Optimizer(torch.optim.Optimizer):
         moved_on = epoch + 1 if self.delay_grad_averaging else epoch
 
         def wait_for_gradients() -> bool:
-            """Wait for the round; True when it showed that this peer is behind the swarm."""
+            """Wait for the round; True when it showed that this peer is behind and must not step."""
+            gathered, reason, left_out = None, None, False
             try:
                 gathered = self._wait_for_round(control, moved_on)
-                if gathered is None:  # the swarm averaged this epoch without us and moved on
-                    self._must_load_state = True
-                    return True
+                if gathered is None:
+                    reason, left_out = "the swarm averaged this epoch without us and moved on", True
+            except LeftOutError as error:
+                reason, left_out = str(error), True
             except (AveragingError, TimeoutError, ConnectionError, concurrent.futures.CancelledError) as error:
                 reason = str(error) or f"no result within {self.averaging_timeout} s"
-                logger.log(self.status_loglevel, f"Proceeding with local gradients: {reason}")
-                return False
             except Exception as error:  # never let a broken round stop training
-                logger.warning(f"Proceeding with local gradients: the round failed with {error!r}")
-                return False
-            if _newest_epoch(gathered, epoch) > epoch:
+                logger.warning(f"The gradient round failed with {error!r}")
+                reason = repr(error)
+            swarm_moved_on = gathered is None and (left_out or overtaken(moved_on, self._fresh_swarm_epoch()))
+            action = after_gradient_round(epoch, gathered, swarm_moved_on)
+            if action is EpochAction.LOAD_STATE:
                 self._must_load_state = True  # also read by step() when this ran in the background
+                self._load_at_least = max(self._load_at_least, epoch + 1)  # where the group went
                 return True
+            if action is EpochAction.STEP_LOCAL:
+                logger.log(self.status_loglevel, f"Proceeding with local gradients: {reason}")
+                self.rounds_failed += 1
+                return False
             logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
             self.rounds_averaged += 1
             return False
@@ -446,6 +467,14 @@ class Optimizer(torch.optim.Optimizer):
             self.grad_averager.notify_used_averaged_gradients()
             return _BEHIND
         return None if self.offload_optimizer else self._averaged_gradients_into_params()
+
+    def _fresh_swarm_epoch(self) -> int:
+        """The swarm's epoch, read from the DHT now (the last estimate if that fails)."""
+        try:
+            return self.tracker.fetch_global_progress_now(timeout=self.averaging_timeout).epoch
+        except Exception as error:  # the DHT may be briefly unreachable: the last estimate will do
+            logger.debug(f"could not read the swarm's progress: {error!r}")
+            return self.tracker.global_progress.epoch
 
     def _wait_for_round(self, control: StepControl, epoch: int) -> dict | None:
         """The round's result; None if, while we were still looking for a group, the tracker showed
@@ -462,7 +491,7 @@ class Optimizer(torch.optim.Optimizer):
             if control.began_allreduce:
                 continue
             progress = self.tracker.global_progress
-            if progress.epoch > epoch:
+            if overtaken(epoch, progress.epoch):
                 control.cancel()
                 control.wait_ended()
                 return None
@@ -519,7 +548,7 @@ class Optimizer(torch.optim.Optimizer):
         self._release_scheduled_grads()
         self._must_load_state = False
         with self.tracker.pause_updates():
-            kwargs.setdefault("min_epoch", self.tracker.global_progress.epoch)
+            kwargs.setdefault("min_epoch", max(self.tracker.global_progress.epoch, self._load_at_least))
             try:
                 loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             except StateLoadError as error:
@@ -564,22 +593,9 @@ def _idle(control) -> bool:
     return control is None or control.done()
 
 
-def _newest_epoch(gathered: dict, default: int) -> int:
-    epochs = [e for e in gathered.values() if isinstance(e, int) and not isinstance(e, bool)]
-    return max(epochs, default=default)
-
-
-def _withdraw_if_behind(epoch: int, gathered: dict, weight: float) -> float:
-    """StepControl.weight_for_group: contribute nothing to a group that holds a newer epoch."""
-    return 0.0 if _newest_epoch(gathered, epoch) > epoch else weight
-
-
-def _keep_unless_same_epoch(epoch: int, gathered: dict, weight: float) -> float:
-    """StepControl.weight_for_group of state rounds: if members are at different epochs, every member
-    (each sees the same group) contributes weight 0, and the all-reduce leaves all states as they
-    were, instead of averaging parameters that differ by whole optimizer steps."""
-    epochs = set(gathered.values())
-    return weight if epochs <= {epoch} else 0.0
+def _epoch_and_digest(epoch: int, digest: str) -> list:
+    """What a state round gathers (see `epoch_policy.state_weight`)."""
+    return [epoch, digest]
 
 
 def _check_options(client_mode, auxiliary, offload_optimizer, delay_optimizer_step, delay_grad_averaging,

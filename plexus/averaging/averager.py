@@ -230,7 +230,7 @@ class DecentralizedAverager:
     def step(self, gather: Any = None, scheduled_time: float | None = None, weight: float | None = None,
              timeout: float | None = None, allow_retries: bool = True, require_trigger: bool = False,
              wait: bool = True, weight_for_group=None, expected_group_size: int | None = None,
-             accept_partial: bool = True, alone_timeout: float | None = None):
+             accept_partial: bool = True, alone_timeout: float | None = None, round_tag: bytes = b""):
         """Average once with a group; returns {peer_id: gathered data} of its members.
 
         With `wait=False` returns a StepControl at once (result, cancel, trigger). Raises
@@ -245,6 +245,7 @@ class DecentralizedAverager:
         result as everyone who averaged with it.
         `alone_timeout`: give up (NoPeersError, no retry) that many seconds after the scheduled
         time when no other peer is looking for a group, instead of waiting for the deadline.
+        `round_tag`: meet only steps with the same tag (e.g. an epoch; see `Matchmaking`).
         """
         if self._ready is None:
             raise RuntimeError("the averager is not running: create it with start=True")
@@ -259,11 +260,12 @@ class DecentralizedAverager:
         control.weight_for_group = weight_for_group
         user_gather = MSGPackSerializer.dumps(gather)
         control._start(self._step(control, user_gather, timeout, allow_retries, expected_group_size,
-                                  accept_partial, alone_timeout))
+                                  accept_partial, alone_timeout, round_tag))
         return control.result() if wait else control
 
     async def _step(self, control: StepControl, user_gather: bytes, timeout: float | None, allow_retries: bool,
-                    expected_group_size: int | None, accept_partial: bool, alone_timeout: float | None):
+                    expected_group_size: int | None, accept_partial: bool, alone_timeout: float | None,
+                    round_tag: bytes):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else DEFAULT_STEP_TIMEOUT)
         gather = MSGPackSerializer.dumps([self.bandwidth, self.mode.value, user_gather])
@@ -274,7 +276,7 @@ class DecentralizedAverager:
                 group = await self._matchmaking.look_for_group(gather=gather, deadline=deadline,
                                                                scheduled_time=control.scheduled_time,
                                                                expected_group_size=expected_group_size,
-                                                               alone_timeout=alone_timeout)
+                                                               alone_timeout=alone_timeout, round_tag=round_tag)
                 if group is None and self._matchmaking.last_round_alone:
                     earlier = f" (earlier tries: {'; '.join(failures)})" if failures else ""
                     raise NoPeersError(f"Averaging step failed: no other peer was looking for a group under "

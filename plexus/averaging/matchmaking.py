@@ -3,8 +3,8 @@
 Theory of operation (the decisions live in `matchmaking_state.py`; this is the asyncio driver).
 
 `look_for_group(gather=..., deadline=...)` runs one round:
-1. Declare: store `True` under `{prefix}.0b{bits}`, subkey = our peer id, expiring at our declared
-   time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock),
+1. Declare: store `True` (or the round's tag, see below) under `{prefix}.0b{bits}`, subkey = our
+   peer id, expiring at our declared time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock),
    and never sooner than now + request_timeout (followers need that long to reach us).
    Client-mode peers never declare and never lead.
 2. Read the bucket with `get(latest=True)` as soon as our declaration has landed (peers that
@@ -20,6 +20,11 @@ Theory of operation (the decisions live in `matchmaking_state.py`; this is the a
    its own deadline; if the leader disbands, vanishes or sends nonsense, it goes back to step 3.
 6. The round ends with a group, or with None at the deadline; we then withdraw the declaration
    (store `False` just after T) in the background.
+
+Rounds with a `round_tag` (e.g. "the state of epoch 12") meet only rounds with the same tag: the
+tag is what they declare, a round reads only declarations of its own tag, and leaders take only
+followers that ask with it. Otherwise a peer's round for one epoch could pair with a partner's
+round for the next, again and again, and average nothing.
 
 Every wait is bounded by request_timeout or the deadline. Skew between clocks changes who leads,
 not whether a group forms: seniority compares declared numbers, each leader times its own
@@ -161,8 +166,8 @@ class Matchmaking:
     # --- one round ----------------------------------------------------------------------------
 
     async def look_for_group(self, *, gather: bytes, deadline: float, scheduled_time: float | None = None,
-                             expected_group_size: int | None = None,
-                             alone_timeout: float | None = None) -> GroupInfo | None:
+                             expected_group_size: int | None = None, alone_timeout: float | None = None,
+                             round_tag: bytes = b"") -> GroupInfo | None:
         """Find a group before `deadline` (event-loop time); None if there is none by then.
 
         `scheduled_time` (DHT time) is the earliest moment we want to assemble; by default
@@ -170,7 +175,8 @@ class Matchmaking:
         time with fewer members. With `alone_timeout`, the round gives up (None, and
         `last_round_alone` is set) once it is that many seconds past the scheduled time with nobody
         else in sight: no follower, and a fresh read of the bucket shows no other live declaration
-        (peers that failed to answer us do not count). On success the group bits move on (see
+        (peers that failed to answer us do not count). With `round_tag`, only rounds with the same
+        tag meet (see the module comment). On success the group bits move on (see
         `next_group_bits`).
 
         Rounds run one at a time: a round started while the previous one is still unwinding (it
@@ -180,15 +186,15 @@ class Matchmaking:
             raise ValueError(f"gather of {len(gather)} bytes exceeds the {MAX_GATHER_BYTES}-byte limit")
         async with self._one_round:
             return await self._one_round_of_matchmaking(bytes(gather), deadline, scheduled_time,
-                                                        expected_group_size, alone_timeout)
+                                                        expected_group_size, alone_timeout, bytes(round_tag))
 
     async def _one_round_of_matchmaking(self, gather: bytes, deadline: float, scheduled_time: float | None,
-                                        expected_group_size: int | None,
-                                        alone_timeout: float | None) -> GroupInfo | None:
+                                        expected_group_size: int | None, alone_timeout: float | None,
+                                        round_tag: bytes) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         group, key = None, self.group_key
         self.last_round_alone = False
-        self._state.start(key, gather, expected_group_size)
+        self._state.start(key, gather, expected_group_size, round_tag)
         self._wakeup, self._poll_now = asyncio.Event(), asyncio.Event()
         self._view, self._refused, self._declared_until = {}, {}, None
         alone_after = None
@@ -312,7 +318,8 @@ class Matchmaking:
         for attempt in range(2):  # a slow DHT (a loaded machine) gets one more chance
             try:
                 async with asyncio.timeout(self.request_timeout):
-                    stored = await self.dht_node.store(key, True, expiration, subkey=self.peer_id.to_bytes())
+                    stored = await self.dht_node.store(key, self._declared_value(), expiration,
+                                                       subkey=self.peer_id.to_bytes())
                 break
             except (TimeoutError, OSError) as error:
                 logger.debug(f"{self.peer_id.short()} could not declare itself under {key} "
@@ -335,6 +342,10 @@ class Matchmaking:
         logger.debug(f"{self._state!r}: not enough peers by our declared time, declaring a later one")
         self._declare(key, deadline, None, wait)
         return True
+
+    def _declared_value(self) -> bool | bytes:
+        """What we store as our declaration: True, or this round's tag."""
+        return self._state.round_tag or True
 
     async def _withdraw(self, key: str, expiration: float, stores: set[asyncio.Task]) -> None:
         """Store False just after our last declared time (once our own stores have landed)."""
@@ -384,10 +395,10 @@ class Matchmaking:
         except (TimeoutError, OSError) as error:
             logger.debug(f"{self.peer_id.short()} could not read {key}: {error!r}")
             return None
-        view = {}
+        view, wanted = {}, self._declared_value()
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
-                if entry.value is True and isinstance(subkey, bytes):
+                if type(entry.value) is type(wanted) and entry.value == wanted and isinstance(subkey, bytes):
                     try:
                         view[PeerID(subkey)] = float(entry.expiration_time)
                     except ValueError:
@@ -434,7 +445,7 @@ class Matchmaking:
         loop = asyncio.get_running_loop()
         request = JoinRequest(self._state.group_key, self._state.schema_hash,
                               None if self.client_mode else self._state.declared, self._state.gather,
-                              self.client_mode)
+                              self.client_mode, self._state.round_tag)
         stream, reader = None, None
         try:
             async with asyncio.timeout_at(min(deadline, loop.time() + self.request_timeout)):

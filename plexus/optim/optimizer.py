@@ -140,6 +140,7 @@ class Optimizer(torch.optim.Optimizer):
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
             status_loglevel=self.status_loglevel, **(tracker_opts or {}))
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
+        self._scheduled_state: tuple[int, StepControl] | None = None  # local updates: (epoch, state round)
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet
         self._must_load_state = False  # a gradient round showed that we are behind
@@ -268,6 +269,8 @@ class Optimizer(torch.optim.Optimizer):
             self.state_averager.step(apply_delayed_updates=True)
         if self.use_gradient_averaging:
             self._maybe_schedule_gradient_averaging()
+        elif self.use_local_updates:
+            self._maybe_schedule_state_averaging()
 
         if self.tracker.ready_to_update_epoch and self._still_ready_after_a_fresh_look():
             self._update_global_epoch(grad_scaler)
@@ -300,7 +303,7 @@ class Optimizer(torch.optim.Optimizer):
         """An auxiliary peer holds no model of its own to fix: it just moves to the swarm's epoch."""
         epoch = self.tracker.global_progress.epoch
         if epoch > self.local_epoch:
-            self._release_scheduled_grads()
+            self._release_scheduled_rounds()
             self.state_averager.local_epoch = epoch
             self.state_averager.step(apply_delayed_updates=True)  # catches the scheduler up
             self._set_epoch_everywhere()
@@ -312,6 +315,28 @@ class Optimizer(torch.optim.Optimizer):
                 and _idle(self._triggered_grads):  # one round at a time (delayed rounds run on)
             self._scheduled_grads = self._schedule_gradient_round(
                 max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1))
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        """With local updates the state round is the swarm's only round: as for gradient rounds, its
+        matchmaking starts ahead of the epoch's end, so the parameters are averaged at the boundary
+        (and the result is applied within a batch), not a matchmaking time later while the peers
+        drift on apart."""
+        progress = self.tracker.global_progress
+        next_epoch = self.local_epoch + 1
+        eta = self.tracker.estimated_next_update_time - get_dht_time()
+        if progress.num_peers > 1 and eta <= self.matchmaking_time and self._scheduled_state is None \
+                and next_epoch % self.average_state_every == 0 and not self.state_averager.averaging_in_progress:
+            control = self.state_averager.schedule_step(
+                max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1),
+                gather=[next_epoch, None], **self._state_round_options(next_epoch))
+            self._scheduled_state = (next_epoch, control)
+
+    def _state_round_options(self, epoch: int) -> dict:
+        """A state round for `epoch`: it meets only rounds for the same epoch, takes complete results
+        only, and weighs by `epoch_policy.state_weight`."""
+        return dict(timeout=self.averaging_timeout, expected_group_size=self._expected_group_size(),
+                    accept_partial=False, weight_for_group=functools.partial(state_weight, epoch),
+                    round_tag=f"epoch {epoch}".encode())
 
     def _schedule_gradient_round(self, scheduled_time: float | None = None) -> StepControl:
         """Matchmaking for this epoch's gradients. Members gather their epoch; a peer that finds a
@@ -335,10 +360,16 @@ class Optimizer(torch.optim.Optimizer):
         themselves an epoch behind)."""
         return max(2, self.tracker.global_progress.num_peers)
 
-    def _release_scheduled_grads(self) -> None:
-        """Leave a pre-scheduled gradient round without holding anyone up: a group that is formed
-        gets our trigger with weight 0 (it averages without us); a search still running is cancelled."""
+    def _release_scheduled_rounds(self) -> None:
         control, self._scheduled_grads = self._scheduled_grads, None
+        self._release(control)
+        scheduled, self._scheduled_state = self._scheduled_state, None
+        if scheduled is not None:
+            self._release(scheduled[1])
+
+    def _release(self, control: StepControl | None) -> None:
+        """Leave a pre-scheduled round without holding anyone up: a group that is formed gets our
+        trigger with weight 0 (it averages without us); a search still running is cancelled."""
         if control is None or control.done():
             return
         if control.stage == AveragingStage.AWAITING_TRIGGER and not control.triggered:
@@ -376,16 +407,21 @@ class Optimizer(torch.optim.Optimizer):
         next_epoch = self.local_epoch + 1
         average_state = (swarm_has_peers and next_epoch % self.average_state_every == 0
                          and not self.state_averager.averaging_in_progress)
+        scheduled, self._scheduled_state = self._scheduled_state, None
+        control = scheduled[1] if scheduled is not None else None
+        if control is not None and not (average_state and scheduled[0] == next_epoch and not control.done()):
+            self._release(control)
+            control = None
         output = self.state_averager.step(
             increment_epoch=True, wait_for_trigger=wait_for_trigger,
             optimizer_step=not self.auxiliary and not self.use_local_updates,
             zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
             delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
             delay_averaging=self.delay_state_averaging or self.delay_optimizer_step,  # auxiliary too: it only helps
-            averaging_opts=dict(timeout=self.averaging_timeout, gather=functools.partial(_epoch_and_digest, next_epoch),
-                                expected_group_size=self._expected_group_size(), accept_partial=False,
-                                weight_for_group=functools.partial(state_weight, next_epoch))
-            if average_state else None,
+            averaging_control=control,
+            averaging_opts=dict(gather=functools.partial(_epoch_and_digest, next_epoch),
+                                **self._state_round_options(next_epoch))
+            if average_state and control is None else None,
             grad_scaler=grad_scaler)
         self._log_finished_state_rounds()  # a new round waited for the previous one
         if average_state:
@@ -418,9 +454,7 @@ class Optimizer(torch.optim.Optimizer):
                 grad_scaler.unscale_(self)
         control, self._scheduled_grads = self._scheduled_grads, None
         if not swarm_has_peers:
-            if control is not None and not control.done():
-                self._scheduled_grads = control
-                self._release_scheduled_grads()
+            self._release(control)
             self.grad_averager.load_accumulators_into_averager_()
             self.grad_averager.reset_accumulated_grads_()
             return None if self.offload_optimizer else self._averaged_gradients_into_params()
@@ -545,7 +579,7 @@ class Optimizer(torch.optim.Optimizer):
 
         Donors still at an older epoch than the swarm's (as the tracker knows it) are not adopted:
         the load fails and is retried later, rather than download a state that is behind already."""
-        self._release_scheduled_grads()
+        self._release_scheduled_rounds()
         self._must_load_state = False
         with self.tracker.pause_updates():
             kwargs.setdefault("min_epoch", max(self.tracker.global_progress.epoch, self._load_at_least))
@@ -569,9 +603,10 @@ class Optimizer(torch.optim.Optimizer):
         """Leave the swarm: withdraw our progress record, finish or cancel background rounds (at
         most `shutdown_timeout` s; rounds still matchmaking are cancelled at once), stop averagers."""
         logger.log(self.status_loglevel, "Sending goodbye to peers...")
-        control, self._scheduled_grads = self._scheduled_grads, None
-        if control is not None:
-            control.cancel()
+        for control in (self._scheduled_grads, self._scheduled_state and self._scheduled_state[1]):
+            if control is not None:
+                control.cancel()
+        self._scheduled_grads = self._scheduled_state = None
         self.tracker.shutdown(self.shutdown_timeout)
         if not self.state_averager.finish_background_work(self.shutdown_timeout):
             logger.warning(f"background averaging did not finish within {self.shutdown_timeout} s; left it")

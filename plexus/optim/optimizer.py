@@ -333,10 +333,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _state_round_options(self, epoch: int) -> dict:
         """A state round for `epoch`: it meets only rounds for the same epoch, takes complete results
-        only, and weighs by `epoch_policy.state_weight`."""
+        only, weighs by `epoch_policy.state_weight`, and ends when nobody else is looking."""
         return dict(timeout=self.averaging_timeout, expected_group_size=self._expected_group_size(),
                     accept_partial=False, weight_for_group=functools.partial(state_weight, epoch),
-                    round_tag=f"epoch {epoch}".encode())
+                    round_tag=f"epoch {epoch}".encode(), alone_timeout=self.state_averager.request_timeout)
 
     def _schedule_gradient_round(self, scheduled_time: float | None = None) -> StepControl:
         """Matchmaking for this epoch's gradients. Members gather their epoch; a peer that finds a
@@ -405,6 +405,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def _step_state(self, swarm_has_peers: bool, wait_for_trigger, grad_scaler) -> None:
         next_epoch = self.local_epoch + 1
+        # a state round of an earlier epoch that has not even found its group is of no use now, and
+        # the optimizer step would wait for it (up to averaging_timeout, e.g. for a peer that died)
+        self.state_averager.cancel_unstarted_rounds()
         average_state = (swarm_has_peers and next_epoch % self.average_state_every == 0
                          and not self.state_averager.averaging_in_progress)
         scheduled, self._scheduled_state = self._scheduled_state, None

@@ -551,15 +551,19 @@ class TrainingStateAverager(DecentralizedAverager):
         self._sync_model_parameters()
         return not any(not future.done() for future in self._pending)
 
+    def cancel_unstarted_rounds(self) -> None:
+        """Cancel the rounds still looking for a group (their all-reduce has not begun); returns at once."""
+        for control in list(self._controls):
+            if not control.began_allreduce:
+                control.cancel()
+
     def _cancel_rounds_and_wait(self, timeout: float | None = None) -> None:
         """Cancel rounds that have not begun their all-reduce, and wait (up to `timeout` s) for every
         background stage; a stage may start its round late (after its optimizer step), so look again
         while waiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for control in list(self._controls):
-                if not control.began_allreduce:
-                    control.cancel()
+            self.cancel_unstarted_rounds()
             pending = [future for future in self._pending if not future.done()]
             left = None if deadline is None else deadline - time.monotonic()
             if not pending or (left is not None and left <= 0):

@@ -1,7 +1,7 @@
 """All-reduce benchmark: `DecentralizedAverager` (matchmaking + butterfly all-reduce) against gloo.
 
 Run: `.venv/bin/python benchmarks/allreduce.py [--peers 2 4 8] [--mib 40 400] [--compression none float16]
-[--rounds 3] [--quick] [--bare] [--profile]`
+[--rounds 3] [--quick] [--bare] [--profile] [--robust]`
 
 Each peer is a spawned process with one torch thread, its own DHT on 127.0.0.1 and `--mib` MiB of
 float32. Per (size, compression) the peers make a fresh averager (target group = all peers) and run
@@ -23,6 +23,8 @@ tensor size. The averager keeps its own copy and a working copy, so 2.0 is the d
 rest is parts in flight (windows of 4 parts per sender, stream buffers), a fixed few tens of MiB.
 `--bare` adds rows for the all-reduce engine alone (`AllReduceRunner` over the group the averager
 found, in place: no copies, no matchmaking). `--profile` prints peer 0's event-loop profile.
+`--robust` averages with `RobustAggregation()` (CenteredClip per part, reducers verified): its cost
+shows against the same run's gloo rounds, to compare with a run without it.
 8 peers x 400 MiB needs about 1.3 GiB per peer (input, the averager's two copies, buffers).
 """
 
@@ -160,6 +162,7 @@ def gloo_round(tensor, n, barrier):
 
 def run_config(index, n, mib, compression, args, barrier, dht, memory, profile) -> dict:
     """Rounds of the averager and of gloo, interleaved so both see the same load on a shared machine."""
+    from plexus.averaging.aggregation import RobustAggregation
     from plexus.averaging.averager import DecentralizedAverager
 
     tensor = torch.randn(mib * 2**18, generator=torch.Generator().manual_seed(index))
@@ -170,7 +173,8 @@ def run_config(index, n, mib, compression, args, barrier, dht, memory, profile) 
         [tensor], dht, prefix=f"bench{n}x{mib}{compression}", target_group_size=n, min_group_size=n,
         min_matchmaking_time=args.min_matchmaking_time, request_timeout=args.request_timeout,
         compression=make_compression(compression), part_size_bytes=args.part_kib * 1024,
-        sender_timeout=args.sender_timeout, reducer_timeout=2 * args.sender_timeout, start=True)
+        sender_timeout=args.sender_timeout, reducer_timeout=2 * args.sender_timeout, start=True,
+        robust=RobustAggregation() if args.robust else None)
     result = {key: [] for key in ("matchmaking", "allreduce", "cpu", "gloo", "gloo_cpu", "bare")}
     growth = 0
     try:
@@ -376,6 +380,7 @@ def main() -> None:
     parser.add_argument("--sender-timeout", type=float, default=60.0)
     parser.add_argument("--step-timeout", type=float, default=600.0)
     parser.add_argument("--profile", action="store_true", help="print peer 0's event-loop profile of the rounds")
+    parser.add_argument("--robust", action="store_true", help="CenteredClip per part and verified reducers")
     args = parser.parse_args()
     if args.quick:
         args.peers, args.mib, args.rounds = [p for p in args.peers if p <= 4] or [2], [40], 2

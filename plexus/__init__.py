@@ -3,6 +3,7 @@
 The public names mirror hivemind's, so `import plexus as hivemind` runs hivemind scripts.
 """
 
+from .averaging.aggregation import RobustAggregation
 from .averaging.averager import DecentralizedAverager
 from .compression import (
     BlockwiseQuantization,
@@ -56,4 +57,5 @@ __all__ = [
     "GradScaler", "GradientAverager", "Optimizer", "PowerSGDGradientAverager", "ProgressTracker",
     "TrainingAverager", "TrainingStateAverager",
     "PeerError", "PeerMisbehaved", "PhaseTimeout", "PlexusError", "UsageError",
+    "RobustAggregation",
 ]

@@ -97,6 +97,7 @@ def assert_untouched(tensor_sets, originals, separate: bool) -> None:
 def test_core_frontier_window_and_stall_clock():
     core = ReducerCore(5, [0, 1, 2], window=2, sender_timeout=1.0, now=0.0, exempt=[0])
     assert core.next_deadline() == 1.0 and core.expired(0.5) == []
+    assert not core.open(1, 0.0) and core.open(2, 0.0)
     assert core.contribute(0, 0, 0.1) == range(0) and core.contribute(0, 1, 0.1) == range(0)
     assert not core.allowed(0)  # two parts ahead of the frontier: held back, no clock
     assert core.contribute(1, 0, 0.2) == range(0)
@@ -115,8 +116,24 @@ def test_core_frontier_window_and_stall_clock():
         core.contribute(1, 1, 2.0)
 
 
+def test_core_waits_for_every_stream_before_any_part_and_restarts_the_clocks():
+    core = ReducerCore(4, [0, 1, 2], window=2, sender_timeout=1.0, now=0.0, exempt=[0])
+    assert not core.settled and not core.allowed(0)
+    with pytest.raises(ValueError, match="before every sender opened"):
+        core.contribute(0, 0, 0.1)
+    assert not core.open(1, 0.5)
+    assert core.expired(1.2) == [2]  # sender 1 waits for the others: only the missing stream owes
+    core.exclude(2, "never came", 1.2)
+    assert core.settled and core.allowed(0) and core.allowed(1)
+    assert core.next_deadline() == pytest.approx(2.2)  # sender 1's clock starts when the weights settle
+    with pytest.raises(ValueError, match="not a live sender that has yet to open"):
+        core.open(1, 1.3)
+
+
 def test_core_excluding_everyone_completes_the_span():
     core = ReducerCore(3, [1, 2], window=1, sender_timeout=1.0, now=0.0)
+    core.open(1, 0.0)
+    core.open(2, 0.0)
     core.contribute(1, 0, 0.5)
     assert core.exclude(2, "x", 1.0) == range(0, 1)
     assert core.exclude(1, "y", 1.0) == range(1, 3) and core.done
@@ -453,7 +470,7 @@ def test_an_answer_of_the_wrong_size_fails_that_span_and_writes_nothing():
             liar.serve_sender = short_first_answer
             reports = await swarm.run(runners)
             (failure,) = reports[0].failed_spans
-            assert failure.parts_received == 0 and "expected 4096" in failure.reason
+            assert failure.parts_received == 0 and "4096 bytes" in failure.reason
             assert torch.equal(tensor_sets[0][0][2048:], originals[0][0][2048:])
             mean = (originals[0][0] + originals[1][0]) / 2
             assert torch.allclose(tensor_sets[0][0][:2048], mean[:2048])

@@ -394,3 +394,34 @@ def test_cached_keys_that_are_read_get_refreshed_before_they_expire():
         await shutdown(nodes)
 
     run(main())
+
+
+def test_hostile_storer_is_bounded_and_cannot_hide_honest_entries():
+    """A peer floods a victim with keys and stuffs one key with sub-keys; honest readers still see
+    the honest entry and the victim's storage stays within its limits."""
+    from plexus.dht.storage import StorageLimits
+
+    async def main():
+        network = MemoryNetwork()
+        limits = StorageLimits(max_records_per_sender=300, max_entries_per_key=50, max_subkeys_per_sender=20)
+        victim = await DHTNode.create(rpc=network.create_transport(), storage_limits=limits)
+        honest, hostile = [await DHTNode.create(rpc=network.create_transport(), client_mode=True,
+                                                initial_peers=[victim.peer_id]) for _ in range(2)]
+        now = get_dht_time()
+        key = DHTID.generate("stuffed")
+        entry, value = MSGPackSerializer.dumps(b"honest-entry"), MSGPackSerializer.dumps("honest")
+        honest_item = StoreItem(key, entry, value, now + 60)
+        assert await honest._send_items(victim.peer_id, [honest_item]) == [True]
+        items = [StoreItem(DHTID.generate(f"flood{i}"), None, MSGPackSerializer.dumps(i), now + 60)
+                 for i in range(1000)]
+        items += [StoreItem(key, MSGPackSerializer.dumps(f"junk{i}"), MSGPackSerializer.dumps(i), now + 60)
+                  for i in range(1000)]
+        await hostile._send_items(victim.peer_id, items)  # what a hostile client can send by hand
+        assert victim.storage.bytes_of(hostile.peer_id.to_bytes()) > 0
+        assert len(victim.storage.get(key, get_dht_time()).value) <= limits.max_entries_per_key
+        assert sum(1 for _ in victim.storage.items(get_dht_time())) <= limits.max_records_per_sender + 2
+        found = await honest.get("stuffed", latest=True)
+        assert found.value[b"honest-entry"].value == "honest"
+        await shutdown([victim, honest, hostile])
+
+    run(main())

@@ -129,3 +129,22 @@ def test_crashing_validator_counts_as_refusal():
             raise RuntimeError("boom")
 
     assert not CompositeValidator([Broken(Schema)]).validate(record("name", "x"))
+
+
+def test_protected_key_rejects_plain_values_and_extra_owner_subkeys():
+    from plexus.dht.schema import OwnerPublicKey
+
+    class Protected(pydantic.BaseModel):
+        progress: Dict[BytesWithPublicKey, Optional[int]]
+        single: Dict[OwnerPublicKey, Optional[int]]
+        open_dict: Dict[bytes, int]
+
+    validator = SchemaValidator(Protected, allow_extra_keys=False)
+    owner = Ed25519SignatureValidator().local_public_key
+    assert validator.validate(record("progress", 1, subkey=owner))
+    assert not validator.validate(record("progress", {})), "a plain value would shadow the signed entries"
+    assert not validator.validate(record("progress", None))
+    assert validator.validate(record("single", 1, subkey=owner))
+    assert not validator.validate(record("single", 1, subkey=owner + b"2")), "one sub-key per owner"
+    assert not validator.validate(record("single", {}))
+    assert validator.validate(record("open_dict", {b"a": 1})), "unprotected dictionaries keep plain values"

@@ -330,10 +330,12 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(client):
                 loop.run(make_call(), 15)
             response = loop.run(call(FORWARD_PROTOCOL, good), 15)  # still serving
             assert len(response.tensors) == 1
-        # a frame over the 4 MiB limit: refused by the RPC layer. Today the caller only learns it when its
-        # call times out (the refused stream is neither drained nor reset); the server serves on regardless.
-        with pytest.raises((rpc.RPCError, TimeoutError)):
-            loop.run(call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [b"x" * (5 << 20)]), timeout=1), 15)
+        # A frame over the 4 MiB limit is refused by the RPC layer from its header, before its body is read:
+        # the caller gets the error at once (no timeout), and the server serves on.
+        with pytest.raises(rpc.RPCError, match="exceeds the 4194304-byte limit"):
+            loop.run(call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [b"x" * (5 << 20)]), timeout=10), 15)
+        with pytest.raises(rpc.RPCError, match="exceeds the 4194304-byte limit"):
+            loop.run(stream([ExpertRequest("ffn.0", [b"x" * (5 << 20)])]), 15)
         assert len(loop.run(call(FORWARD_PROTOCOL, good), 15).tensors) == 1
     finally:
         server.shutdown()

@@ -47,6 +47,10 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     batch (it paces the loop; nothing waits on it). `initial_peers`: multiaddrs, or a queue that will deliver them (processes start importing
     torch before the first peer is up). `results` is a dict (threads) or a queue (processes); `events` (a queue) receives
     ("maddrs", index, [...]) once the DHT is up and ("epoch", index, epoch) at each epoch change.
+
+    Faulty members: `config["nan_every"]` makes every k-th batch's loss NaN, `config["grad_scale"]`
+    multiplies the gradients before each step, `config["runner"]` is the all-reduce class of its
+    gradient rounds (a subclass overriding the runner's `outgoing`/`reduced` seams).
     """
     from plexus.dht.dht import DHT
     from plexus.optim.optimizer import Optimizer
@@ -78,6 +82,8 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
                     tracker_opts=dict(FAST_TRACKER, **config.get("tracker_opts", {})),
                     auxiliary=config.get("auxiliary", False), client_mode=client_mode,
                     verbose=config.get("verbose", False), **options)
+    if config.get("runner") is not None:  # a faulty member's all-reduce (see tests/test_optimizer_attacks.py)
+        opt.grad_averager.allreduce_runner = config["runner"]
     if barrier is not None:
         barrier.wait(60)
     generator = torch.Generator().manual_seed(100 + index)
@@ -85,7 +91,7 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     pending: list[int] = []
     epoch_losses = {opt.local_epoch: full_loss(model, inputs, targets)}
     deadline = time.monotonic() + config.get("deadline", 90)
-    grad_scaler = None
+    grad_scaler, steps = None, 0
     if config.get("grad_scaler"):
         from plexus.optim.grad_scaler import GradScaler
         grad_scaler = GradScaler("cpu", init_scale=config["grad_scaler"])
@@ -99,12 +105,18 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
             else:
                 rows = torch.randint(0, NUM_SAMPLES, (batch,), generator=generator)
                 loss = ((model(inputs[rows]) - targets[rows]) ** 2).mean()
+                steps += 1
+                if config.get("nan_every") and steps % config["nan_every"] == 0:
+                    loss = loss * float("nan")  # a poisoned batch: every gradient of it is NaN
                 if grad_scaler is not None:
                     grad_scaler.scale(loss).backward()
                     opt.step(grad_scaler=grad_scaler)
                     grad_scaler.update()
                 else:
                     loss.backward()
+                    if config.get("grad_scale") is not None:  # a member that flips or scales its gradients
+                        for param in model.parameters():
+                            param.grad.mul_(config["grad_scale"])
                     opt.step()
                 if not options.get("reuse_grad_buffers"):
                     opt.zero_grad()
@@ -125,7 +137,7 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     lrs = [group["lr"] for group in opt.param_groups]
     outcome = dict(epoch=opt.local_epoch, params=[p.detach().clone().numpy() for p in model.parameters()],
                    contributions=contributions, state_loads=opt.state_loads, rounds=opt.rounds_averaged,
-                   epoch_losses=epoch_losses, lrs=lrs)
+                   epoch_losses=epoch_losses, lrs=lrs, nonfinite_batches=opt.nonfinite_batches)
     dht.shutdown()
     if isinstance(results, dict):
         results[index] = outcome

@@ -641,3 +641,19 @@ def test_manifest_without_priority_from_an_older_donor_decodes():
     assert StateManifest.decode(older).priority is None
     with pytest.raises(ValueError):
         StateManifest(b"\x01" * 16, b"\x80", (), 1 << 12, b"", priority=float("inf"))
+
+
+def test_stated_priority_tells_what_a_donor_would_serve():
+    from plexus.averaging.state_download import stated_priority
+
+    async def main():
+        async with swarm(3) as (donor, other, reader):
+            sharing = await share(donor, make_state(), priority=5)
+            assert await stated_priority(reader.host, PREFIX, donor.host.peer_id, timeout=5) == 5
+            sharing.priority = 6
+            assert await stated_priority(reader.host, PREFIX, donor.host.peer_id, timeout=5) == 6
+            assert await stated_priority(reader.host, PREFIX, other.host.peer_id, timeout=5) is None, \
+                "a peer that shares no state confirms nothing"
+            await sharing.shutdown()
+
+    run(main())

@@ -13,14 +13,26 @@ Modes: NODE sends and reduces; CLIENT sends and receives but reduces nothing (fr
 accepts part streams, so it may sit behind NAT); AUX reduces only (weight 0, sends nothing,
 receives nothing, its tensors are left alone).
 
+Weights: a reducer reads no part before every live sender has opened its stream (or was excluded),
+then bounds each stated weight (`aggregation.bounded_weights`: a caller's per-peer limit, and
+`max_weight_ratio` x the group's lower-median weight), the same way on every reducer; in robust
+mode every member of positive weight counts once.
+
 Reduction: `acc += w * x` in float32 (float64 for float64 tensors), then `average = acc / sum(w)`
-over the senders that contributed *that* part. A part that came uncompressed is answered with the
-average itself, encoded once and shared by every recipient (so, with alpha = 1, all peers end
-bit-identical). A part that came lossily compressed is answered with `average - x~` where x~ is the
-sender's part as the reducer decoded it, compressed again: the sender's own compression error
+over the senders that contributed *that* part; or, with `robust`, the CenteredClip of their
+values (`aggregation.ClippedPart`). A part that came uncompressed is answered with the average
+itself, encoded once and shared by every recipient (so, with alpha = 1, all peers end
+bit-identical). A part that came lossily compressed is answered with `average - x~` where x~ is
+the sender's part as the reducer decoded it, compressed again: the sender's own compression error
 cancels and only the difference carries new error (parameters that already agree stay
 untouched). The sender applies `tensor += alpha * (average - tensor)`. A part whose contributors
-all have weight 0 has no average and is answered KEEP.
+all have weight 0 (in robust mode: fewer than `min_contributors` of positive weight) has no
+average and is answered KEEP.
+
+Verification (`robust.verify`): after the last part every reducer checks the others' spans
+(`verification.py`: seeds, scalar reports and verdicts travel on the same streams), and a part that
+most verifiers reject keeps its local values everywhere. Verifying needs the sent values after
+the round, so without `outputs` the runner keeps its results in a copy until the verdicts are in.
 
 Fault tolerance (the per-part rule):
   * The answer to part k is the weighted average over exactly the senders that contributed part k
@@ -28,27 +40,33 @@ Fault tolerance (the per-part rule):
   * Every sender that receives an answer applies it. A sender that does not receive it keeps its
     own local values for that part and for every later part of that span: on every peer, each part
     ends either averaged (identical on all peers that have it) or local, and within a span the
-    averaged parts are a prefix.
+    averaged parts are a prefix (verification may then discard single parts).
   * Reducer side, `sender_timeout`: a sender that has not opened its stream within sender_timeout
     of the round's start, or owes the reducer its next part for sender_timeout (time held back by
-    the window does not count), is excluded from the rest of the round. So is a sender that sends
-    garbage (a malformed header or buffer, a part of the wrong index, size or dtype, NaN/inf when
-    `reject_nonfinite`), or whose stream breaks. Its contributions to parts that are not yet
-    complete stay in (they are valid data; the part's average is over its contributors,
-    including it); later parts are averaged over the others. The excluded sender gets an error
-    naming the reason, and keeps its local values from the first unanswered part on.
+    the window, or by waiting for the other senders' streams, does not count), is excluded from the
+    rest of the round. So is a sender that sends garbage (a malformed header or buffer, a part of
+    the wrong index, size or dtype, NaN/inf when `reject_nonfinite`, the default), or whose stream
+    breaks; and the reducer's own values, if they are not finite (it keeps them, and averages its
+    span over the others). Its contributions to parts that are not yet complete stay in (they are
+    valid data; the part's average is over its contributors, including it), except in robust mode,
+    where they are taken out again; later parts are averaged over the others. The excluded sender
+    gets an error naming the reason, and keeps its local values from the first unanswered part on.
   * Sender side, `reducer_timeout` (must exceed sender_timeout): a reducer that fails to answer
-    the next part within reducer_timeout, refuses the stream, or whose stream breaks, fails its
-    span: the parts already answered stay applied, the rest keep local values, and `run()` reports
-    the span in `AllReduceReport.failed_spans`.
+    the next part within reducer_timeout, refuses the stream, answers NaN or inf (with
+    `reject_nonfinite`), or whose stream breaks, fails its span: the parts already answered stay
+    applied, the rest keep local values, and `run()` reports the span in
+    `AllReduceReport.failed_spans`.
   * Memory is bounded: a reducer reads a sender's next part only inside the window of parts past
     the completion frontier, and only while that sender has fewer than `window` answers waiting
     to be written to it.
 
 The bookkeeping (who has sent what, who is excluded, the completion frontier and window, whose
 clock runs) is `reducer_core.ReducerCore`, sans-I/O, described there; this module is the asyncio
-driver, `AllReduceRunner`, and the stream router, `AllReduceRouter`. Left out: retries (the
-averager retries a round), checking the group's schema (the averager's matchmaking does that).
+driver, `AllReduceRunner` (the round and its sender side; the reducer side is
+`reducer.SpanReducer`), and the stream router, `AllReduceRouter`. Two public methods are a seam for
+tests that play a faulty member: `outgoing` (what this peer sends for a part) and `reduced` (what
+it answers). Left out: retries (the averager retries a round), checking the group's schema (the
+averager's matchmaking does that).
 """
 
 from __future__ import annotations
@@ -56,23 +74,35 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence
 
 import torch
 
-from ..compression import CompressionBase, CompressionError, CompressionInfo, CompressionType, NoCompression
+from ..compression import CompressionBase, CompressionInfo, CompressionType, NoCompression
 from ..compression.base import tensor_bytes_view
 from ..compression.wire import dtype_name
 from ..p2p import rpc
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
-from ..p2p.messages import MessageError
 from ..utils.logging import get_logger
-from .messages import AnswerHeader, AnswerKind, PartHeader, decode_tensor, encode_tensor
+from .aggregation import DEFAULT_MAX_WEIGHT_RATIO, RobustAggregation
+from .messages import (
+    AnswerHeader,
+    AnswerKind,
+    PartHeader,
+    VerifyDone,
+    VerifyReport,
+    VerifySeed,
+    VerifyVerdict,
+    base_method,
+    decode_tensor,
+    encode_tensor,
+)
 from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_from_fractions
-from .reducer_core import ReducerCore
+from .reducer import EXCLUDED_YOU, SenderExcluded, SpanReducer, log_peer_fault
+from .verification import PART_FIELDS, PartPrecision, direction, discarded_parts, encode_report, part_row
 
 logger = get_logger(__name__)
 
@@ -96,14 +126,6 @@ class AllReduceError(Exception):
     """The all-reduce could not run as configured (the caller's fault; the message says what)."""
 
 
-class SenderExcluded(Exception):
-    """A reducer excluded a sender from the rest of the round; the text says why (sent to it)."""
-
-
-EXCLUDED_YOU = "excluded you from all-reduce"
-"""Begins the error text a reducer sends a sender it went on without (the others' round goes on)."""
-
-
 @dataclass(frozen=True)
 class SpanFailure:
     """A span this peer sent but did not get fully averaged back; parts from `parts_received` on
@@ -123,42 +145,14 @@ class AllReduceReport:
 
     failed_spans: list[SpanFailure] = field(default_factory=list)
     excluded_senders: dict[PeerID, str] = field(default_factory=dict)  # by this peer's reducer
+    discarded_parts: dict[PeerID, list[int]] = field(default_factory=dict)  # by reducer: failed verification
 
     @property
     def complete(self) -> bool:
-        return not self.failed_spans and not self.excluded_senders
+        return not self.failed_spans and not self.excluded_senders and not self.discarded_parts
 
 
 # --- the driver ---------------------------------------------------------------------------------
-
-
-@dataclass
-class _PartState:
-    acc: torch.Tensor
-    total_weight: float = 0.0
-    # lossy senders' parts as received (header, buffer): x~ is decoded again for the delta answer,
-    # which keeps 2 bytes per element (float16) in flight instead of 4
-    received: dict[int, tuple] = field(default_factory=dict)
-
-
-class _Channel:
-    """One remote sender's stream at this reducer: answers waiting to be written, its reader."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.answers: deque = deque()
-        self.wake = asyncio.Event()
-        self.closed = False
-        self.finished = asyncio.Event()
-        self.reader: Optional[asyncio.Task] = None
-
-    def push(self, item) -> None:
-        self.answers.append(item)
-        self.wake.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self.wake.set()
 
 
 class AllReduceRunner:
@@ -179,10 +173,16 @@ class AllReduceRunner:
         sender_timeout: how long a reducer waits for a sender's next part before excluding it.
         reducer_timeout: how long a sender waits for a reducer's next answer; > sender_timeout.
         protocol_prefix: protocol ids are `{protocol_prefix}/allreduce/1.0.0`.
-        averaging_alpha: tensor += alpha * (average - tensor).
-        reject_nonfinite: exclude senders whose parts hold NaN or inf.
+        averaging_alpha: tensor += alpha * (average - tensor); must be 1 to verify reducers.
+        reject_nonfinite: exclude senders whose parts hold NaN or inf, and fail spans whose reducer
+            answers NaN or inf (default True).
         tensor_infos: one CompressionInfo per tensor (keys, roles) for adaptive compression.
         window: parts a reducer may hold in flight per span, and answers per sender.
+        robust: CenteredClip per part, and verification of the reducers (None: the plain mean).
+        weight_limits: the most weight each peer may carry (e.g. what its progress record
+            justifies); peers not named are bounded only by `max_weight_ratio`.
+        max_weight_ratio: no weight counts for more than this many times the group's lower-median
+            positive weight. Robust rounds ignore both: every member of positive weight counts once.
 
     A reducing runner (NODE or AUX with a non-empty span) must be registered with the host's
     `AllReduceRouter` before `run()`, so that senders' streams reach it.
@@ -194,8 +194,10 @@ class AllReduceRunner:
                  compression: CompressionBase = NoCompression(), part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
                  sender_timeout: float = 10.0, reducer_timeout: float = 20.0,
                  protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX, *, averaging_alpha: float = 1.0,
-                 reject_nonfinite: bool = False, tensor_infos: Optional[Sequence[CompressionInfo]] = None,
-                 window: int = DEFAULT_WINDOW, outputs: Optional[Sequence[torch.Tensor]] = None):
+                 reject_nonfinite: bool = True, tensor_infos: Optional[Sequence[CompressionInfo]] = None,
+                 window: int = DEFAULT_WINDOW, outputs: Optional[Sequence[torch.Tensor]] = None,
+                 robust: RobustAggregation | None = None, weight_limits: Mapping[PeerID, float] | None = None,
+                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO):
         peers = list(ordered_peer_ids)
         modes = list(modes) if modes is not None else [AveragingMode.NODE] * len(peers)
         if len(set(peers)) != len(peers):
@@ -212,6 +214,8 @@ class AllReduceRunner:
                                  "a reducer may wait sender_timeout for a slow sender before it can answer")
         if not isinstance(group_id, bytes) or not 0 < len(group_id) <= 64:
             raise AllReduceError(f"group_id must be 1 to 64 bytes, got {group_id!r}")
+        if not max_weight_ratio >= 1:
+            raise AllReduceError(f"max_weight_ratio must be at least 1, got {max_weight_ratio}")
         self.host, self.group_id, self.peers, self.modes = host, group_id, peers, modes
         self.me = peers.index(host.peer_id)
         self.mode = modes[self.me]
@@ -220,23 +224,41 @@ class AllReduceRunner:
             raise AllReduceError(f"weight must be finite and >= 0, got {weight}")
         self.compression, self.alpha, self.reject_nonfinite = compression, averaging_alpha, reject_nonfinite
         self.sender_timeout, self.reducer_timeout, self.window = sender_timeout, reducer_timeout, window
+        self.robust = robust
+        self.verifying = robust is not None and robust.verify
+        if self.verifying and averaging_alpha != 1.0:
+            raise AllReduceError(f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): "
+                                 "members check the result they applied against what they sent")
+        self.max_weight_ratio = max_weight_ratio
+        self.weight_limits = {peers.index(peer): float(limit)
+                              for peer, limit in (weight_limits or {}).items() if peer in peers}
         self.protocol = allreduce_protocol(protocol_prefix)
+        self._results_copy = None  # verifying in place: (tensors, where the results wait for the verdicts)
+        if self.verifying and outputs is None and self.mode != AveragingMode.AUX:
+            outputs = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for tensor in tensors]
+            self._results_copy = (list(tensors), outputs)
         total = sum(t.numel() for t in tensors)
         spans = spans_from_fractions(total, list(peer_fractions))
         self.partition = TensorPartition(tensors, spans, compression, part_size_bytes, tensor_infos, outputs)
         self.senders = [i for i, mode in enumerate(modes) if mode != AveragingMode.AUX]
         self.is_sender = self.mode != AveragingMode.AUX
         self.num_parts = self.partition.num_parts(self.me)
-        self.max_frame_bytes = max(
-            [self.partition.max_part_numel(i) for i in range(len(peers))], default=0) * 8 + FRAME_OVERHEAD_BYTES
+        span_parts = [self.partition.num_parts(i) for i in range(len(peers))]
+        largest = max([self.partition.max_part_numel(i) for i in range(len(peers))], default=0)
+        self.max_frame_bytes = 8 * largest
+        if self.verifying:  # a report: one row per part of the vector; a verdict: an index per part
+            self.max_frame_bytes = max(self.max_frame_bytes, sum(span_parts) * (8 * PART_FIELDS + 9))
+        self.max_frame_bytes += FRAME_OVERHEAD_BYTES
         self.report = AllReduceReport()
-        self._started = asyncio.Event()
-        self._reduced = asyncio.Event()
-        self._progress = asyncio.Event()
-        self._core: Optional[ReducerCore] = None
-        self._states: dict[int, _PartState] = {}
-        self._channels: dict[int, _Channel] = {}
+        self.reducer = SpanReducer(self) if self.is_reducing else None
+        self._answers_in = asyncio.Event()  # every answer this peer waits for is in, its own span's too
         self._applied = [0] * len(peers)  # per span: how many of its first parts have their result in place
+        self._exchanges_left = 0
+        # verification: per span, the radius of each applied part (0: KEEP), and the weight we were given
+        self._answered: list[list[float]] = [[] for _ in peers]
+        self._weight_given: list[float] = [0.0] * len(peers)
+        self._reports: dict[int, asyncio.Future] = {}  # span -> our report for its reducer (None: none)
+        self._verdicts: dict[int, list] = {}  # verifier -> its bad parts per span
         self._tasks: set[asyncio.Task] = set()
         self._ran = False
 
@@ -246,7 +268,19 @@ class AllReduceRunner:
 
     def __repr__(self) -> str:
         return (f"<AllReduceRunner group {self.group_id.hex()[:8]} peer {self.me}/{len(self.peers)} "
-                f"{self.mode.name} {self._core!r}>")
+                f"{self.mode.name} {self.reducer!r}>")
+
+    # --- the seam for faulty members (tests) ---------------------------------------------------------
+
+    def outgoing(self, part: Part, values: torch.Tensor) -> torch.Tensor:
+        """What this peer contributes for `part`: its local values. Override to play a member that
+        sends something else (NaN, scaled or flipped values); it must return the same shape and dtype."""
+        return values
+
+    def reduced(self, part: Part, average: torch.Tensor) -> torch.Tensor:
+        """What this reducer answers for `part` of its span: the average. Override to play a
+        reducer that answers wrongly."""
+        return average
 
     # --- the round ---------------------------------------------------------------------------------
 
@@ -257,42 +291,63 @@ class AllReduceRunner:
             raise AllReduceError("an AllReduceRunner runs once; make a new one for the next round")
         self._ran = True
         loop = asyncio.get_running_loop()
-        self._core = ReducerCore(self.num_parts, self.senders, window=self.window, sender_timeout=self.sender_timeout,
-                                 now=loop.time(), exempt=[self.me])
-        self._started.set()
-        background = []
-        if self.is_reducing:
-            background.append(self._spawn(self._watchdog()))
-            if self.is_sender:
-                background.append(self._spawn(self._contribute_local()))
-            if self._core.done:
-                self._reduced.set()
+        verification = None
+        if self.reducer is not None:
+            self.reducer.start(loop.time())
+            if self.verifying:
+                verification = self._spawn(self.reducer.verify_spans())
         exchanges = []
         if self.is_sender:
             exchanges = [self._spawn(self._exchange(j)) for j in range(len(self.peers))
                          if j != self.me and self.partition.num_parts(j) > 0]
+        self._exchanges_left = len(exchanges)
+        self._check_answers_in()
         try:
             await asyncio.gather(*exchanges)
-            if self.is_reducing:
-                await self._reduced.wait()
-                await self._flush_answers(loop.time() + self.sender_timeout)
+            if self.reducer is not None:
+                await self.reducer.reduced.wait()
+                if verification is not None:
+                    await verification
+                await self.reducer.flush_answers(loop.time() + self.sender_timeout)
         finally:
             for task in list(self._tasks):
                 task.cancel()
-            for channel in self._channels.values():
-                if not channel.finished.is_set():
-                    channel.stream.reset()
+            if self.reducer is not None:
+                self.reducer.finish()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._finish_results()
+        if self.reducer is not None:
+            for index, reason in sorted(self.reducer.core.excluded.items()):
+                self.report.excluded_senders[self.peers[index]] = reason
+        if not self.report.complete:
+            report = self.report
+            logger.warning(f"all-reduce {self.group_id.hex()[:8]}: {len(report.failed_spans)} span(s) "
+                           f"failed, {len(report.excluded_senders)} sender(s) excluded, parts of "
+                           f"{len(report.discarded_parts)} span(s) discarded")
+        return self.report
+
+    def _finish_results(self) -> None:
+        """Local values where no (verified) result came; verified results into the tensors."""
         if not self.partition.in_place:
             for j, applied in enumerate(self._applied):
                 for index in range(applied, self.partition.num_parts(j)):
                     self.partition.keep(self.partition.part(j, index))
-        for index, reason in sorted(self._core.excluded.items()):
-            self.report.excluded_senders[self.peers[index]] = reason
-        if not self.report.complete:
-            logger.warning(f"all-reduce {self.group_id.hex()[:8]}: {len(self.report.failed_spans)} span(s) failed, "
-                           f"{len(self.report.excluded_senders)} sender(s) excluded")
-        return self.report
+        if self.verifying and self.mode != AveragingMode.AUX:
+            spans = [self.partition.num_parts(j) for j in range(len(self.peers))]
+            verdicts = dict(self._verdicts)
+            if self.reducer is not None and self.reducer.own_verdict is not None:
+                verdicts[self.me] = self.reducer.own_verdict
+            for span, parts in discarded_parts(verdicts, spans).items():
+                for index in parts:
+                    if index < self._applied[span]:
+                        self.partition.keep(self.partition.part(span, index))
+                self.report.discarded_parts[self.peers[span]] = parts
+                log_peer_fault(self.peers[span], "discarded", f"all-reduce {self.group_id.hex()[:8]}: "
+                               f"discarding {len(parts)} part(s) reduced by {self.peers[span]}: most "
+                               f"verifiers found them wrong")
+        if self._results_copy is not None:
+            for tensor, result in zip(*self._results_copy):
+                tensor.copy_(result)
 
     def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -300,33 +355,37 @@ class AllReduceRunner:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _flush_answers(self, deadline: float) -> None:
-        """Wait (until `deadline`) for every live sender's answers to be written."""
-        pending = [c.finished.wait() for c in self._channels.values() if not c.finished.is_set()]
-        if pending:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(deadline):
-                    await asyncio.gather(*pending)
+    def _check_answers_in(self) -> None:
+        if self._exchanges_left == 0 and (self.reducer is None or self.reducer.reduced.is_set()):
+            self._answers_in.set()
 
     # --- sender side -------------------------------------------------------------------------------
 
     async def _exchange(self, j: int) -> None:
-        """Send span j to reducer j and apply its answers as they come."""
+        """Send span j to reducer j and apply its answers as they come (then verify it, if asked)."""
         peer, total, received = self.peers[j], self.partition.num_parts(j), 0
+        self._reports[j] = asyncio.get_running_loop().create_future()
         responses = rpc.call_stream(self.host, peer, self.protocol, self._part_frames(j), rpc.Chunks,
                                     max_message_size=self.max_frame_bytes)
         try:
-            while received < total:
-                part = self.partition.part(j, received)
-                async with asyncio.timeout(self.reducer_timeout):
-                    header = AnswerHeader.decode(b"".join(await anext(responses)))
-                    self._check_answer(header, part)
-                    chunks = await anext(responses) if header.kind != AnswerKind.KEEP else None
-                self._apply_answer(part, header, chunks)
-                received = self._applied[j] = received + 1
+            try:
+                while received < total:
+                    part = self.partition.part(j, received)
+                    async with asyncio.timeout(self.reducer_timeout):
+                        header = AnswerHeader.decode(b"".join(await anext(responses)))
+                        self._check_answer(header, part)
+                        chunks = await anext(responses) if header.kind != AnswerKind.KEEP else None
+                    self._apply_answer(part, header, chunks)
+                    self._record_answer(j, header)
+                    received = self._applied[j] = received + 1
+            finally:
+                self._exchanges_left -= 1
+                self._check_answers_in()
+            if self.verifying:
+                await self._verify_with(j, responses)
             async with asyncio.timeout(self.reducer_timeout):
                 if await anext(responses, None) is not None:
-                    raise rpc.RPCProtocolError("reducer sent more answers than parts")
+                    raise rpc.RPCProtocolError("reducer sent more than the protocol allows")
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -336,16 +395,23 @@ class AllReduceRunner:
                 reason = "the reducer closed the stream early"
             else:
                 reason = f"{type(error).__name__}: {error}"
-            logger.warning(f"all-reduce {self.group_id.hex()[:8]}: span of {peer.short()} failed after {received} "
-                           f"of {total} parts ({reason}); keeping local values for the rest of it")
-            excluded = isinstance(error, rpc.RPCError) and str(error).startswith(EXCLUDED_YOU)
-            self.report.failed_spans.append(SpanFailure(peer, received, total, reason, excluded))
+            if received < total:
+                log_peer_fault(peer, reason, f"all-reduce {self.group_id.hex()[:8]}: span of {peer} failed "
+                               f"after {received} of {total} parts ({reason}); keeping local values for "
+                               f"the rest of it")
+                excluded = isinstance(error, rpc.RPCError) and str(error).startswith(EXCLUDED_YOU)
+                self.report.failed_spans.append(SpanFailure(peer, received, total, reason, excluded))
+            else:
+                log_peer_fault(peer, "verify " + reason, f"all-reduce {self.group_id.hex()[:8]}: could not "
+                               f"verify with {peer} ({reason}); its verdict does not count")
         finally:
+            if not self._reports[j].done():
+                self._reports[j].set_result(None)
             await responses.aclose()
 
     async def _part_frames(self, j: int) -> AsyncIterator:
         for part in self.partition.parts(j):
-            view = self.partition.view(part)
+            view = self.outgoing(part, self.partition.view(part))
             dtype, compression, buffer = encode_tensor(view, self.partition.compression_info(part), self.compression)
             first = part.index == 0
             header = PartHeader(part.index, part.numel, dtype, compression,
@@ -353,20 +419,36 @@ class AllReduceRunner:
             yield header.encode()
             yield buffer
             del buffer  # sent: let it go before the next part is encoded
+        if self.verifying:
+            await self._answers_in.wait()
+            yield VerifyDone().encode()
+            report = await self._reports[j]
+            if report is not None:
+                yield report
 
     def _check_answer(self, header: AnswerHeader, part: Part) -> None:
         expected = dtype_name(self.partition.dtype(part))
         if header.index != part.index or header.numel != part.numel or header.dtype != expected:
             raise rpc.RPCProtocolError(f"answer for part {header.index} ({header.numel} x {header.dtype}) does not "
                                        f"match part {part.index} ({part.numel} x {expected})")
+        if self.verifying and header.kind != AnswerKind.KEEP and not header.radius:
+            raise rpc.RPCProtocolError(f"answer for part {part.index} has no radius; is the reducer robust?")
+
+    def _record_answer(self, j: int, header: AnswerHeader) -> None:
+        if not self.verifying:
+            return
+        if header.index == 0:
+            self._weight_given[j] = header.weight or 0.0
+        self._answered[j].append(0.0 if header.kind == AnswerKind.KEEP else header.radius)
 
     def _apply_answer(self, part: Part, header: AnswerHeader, chunks: Optional[list]) -> None:
         if header.kind == AnswerKind.KEEP:
             self.partition.keep(part)
             return
         target = self.partition.output(part)
+        checked_in_place = self.reject_nonfinite and self.partition.in_place  # no local copy to fall back on
         if (header.kind == AnswerKind.AVERAGE and header.compression == CompressionType.NONE and self.alpha == 1.0
-                and target.device.type == "cpu"):  # the average itself: copy the received bytes straight in
+                and target.device.type == "cpu" and not checked_in_place):  # received bytes go straight in
             destination = tensor_bytes_view(target)
             if sum(map(len, chunks)) != len(destination):
                 raise rpc.RPCProtocolError(f"answer for part {part.index} has {sum(map(len, chunks))} bytes, "
@@ -375,129 +457,59 @@ class AllReduceRunner:
             for chunk in chunks:
                 destination[offset : offset + len(chunk)] = chunk
                 offset += len(chunk)
+            if self.reject_nonfinite and not bool(torch.isfinite(target).all()):
+                self.partition.keep(part)
+                raise rpc.RPCProtocolError(f"the reducer answered part {part.index} with NaN or inf")
             return
         values = decode_tensor(header.numel, header.dtype, header.compression, b"".join(chunks))
+        if self.reject_nonfinite and not bool(torch.isfinite(values).all()):
+            raise rpc.RPCProtocolError(f"the reducer answered part {part.index} with NaN or inf")
         if header.kind == AnswerKind.AVERAGE:
             self.partition.apply_average(part, values, self.alpha)
         else:
             self.partition.apply_delta(part, values, self.alpha)
 
-    # --- reducer side: contributions -------------------------------------------------------------
+    # --- sender side: verification ---------------------------------------------------------------
 
-    def _notify(self) -> None:
-        self._progress.set()
-        self._progress = asyncio.Event()
+    async def _verify_with(self, j: int, responses) -> None:
+        """Verifier j revealed its seed: send it our report, take its verdict."""
+        async with asyncio.timeout(2 * self.reducer_timeout):  # it waits up to reducer_timeout for the others
+            seed = VerifySeed.decode(b"".join(await anext(responses))).seed
+        report = await asyncio.get_running_loop().run_in_executor(None, self._make_report, seed)
+        self._reports[j].set_result(report.encode())
+        async with asyncio.timeout(2 * self.reducer_timeout):
+            verdict = VerifyVerdict.decode(b"".join(await anext(responses)))
+        if len(verdict.bad_parts) != len(self.peers):
+            raise rpc.RPCProtocolError(f"a verdict on {len(verdict.bad_parts)} spans, the group has "
+                                       f"{len(self.peers)}")
+        self._verdicts[j] = verdict.bad_parts
 
-    async def _wait_until(self, predicate) -> None:
-        while not predicate():
-            await self._progress.wait()
+    def _make_report(self, seed: bytes) -> VerifyReport:
+        """Our rows for every part we applied, with directions from `seed` (runs in a thread: the
+        round's tensors are at rest by now)."""
+        weights, rows = [], []
+        for j in range(len(self.peers)):
+            own = self.reducer.weights if j == self.me and self.reducer is not None else None
+            weights.append(own.get(self.me, 0.0) if own else self._weight_given[j])
+            span_rows = []
+            for index, radius in enumerate(self._answered[j][: self._applied[j]]):
+                if radius == 0:
+                    span_rows.append((0.0, 0.0, 0.0, 0.0))
+                    continue
+                part = self.partition.part(j, index)
+                sent = self.outgoing(part, self.partition.view(part))
+                span_rows.append(part_row(sent, self.partition.output(part), radius,
+                                          direction(seed, j, index, part.numel)))
+            rows.append(span_rows)
+        return encode_report(weights, rows)
 
-    async def _contribute_local(self) -> None:
-        for index in range(self.num_parts):
-            await self._wait_until(lambda: self._core.allowed(self.me) or self.me not in self._core.live)
-            if self.me not in self._core.live:
-                return
-            part = self.partition.part(self.me, index)
-            self._contribute(self.me, part, self.partition.view(part).cpu(), self.weight)
-            await asyncio.sleep(0)  # let the network make progress between parts
+    def part_precision(self, span: int, index: int) -> PartPrecision:
+        """How exactly members can reproduce part `index` of `span` (its dtype and wire compression)."""
+        part = self.partition.part(span, index)
+        method = base_method(self.compression, self.partition.compression_info(part))
+        return PartPrecision.of(self.partition.dtype(part), method.compression_type)
 
-    def _contribute(self, sender: int, part: Part, values: torch.Tensor, weight: float,
-                    lossy_wire: Optional[tuple] = None) -> None:
-        state = self._states.get(part.index)
-        if state is None:  # the first contribution starts the sum: one pass, no zero-filled accumulator
-            acc_dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-            acc = torch.mul(values, weight) if values.dtype == acc_dtype else values.to(acc_dtype).mul_(weight)
-            state = self._states[part.index] = _PartState(acc)
-        else:
-            state.acc.add_(values, alpha=weight)
-        state.total_weight += weight
-        if lossy_wire is not None:
-            state.received[sender] = lossy_wire
-        self._on_complete(self._core.contribute(sender, part.index, asyncio.get_running_loop().time()))
-
-    def _exclude(self, sender: int, reason: str) -> None:
-        if sender not in self._core.live:
-            return
-        logger.warning(f"all-reduce {self.group_id.hex()[:8]}: excluding sender {self.peers[sender].short()}: {reason}")
-        completed = self._core.exclude(sender, reason, asyncio.get_running_loop().time())
-        channel = self._channels.get(sender)
-        if channel is not None:
-            channel.push(SenderExcluded(f"{EXCLUDED_YOU} {self.group_id.hex()[:8]} "
-                                        f"({self.host.peer_id.short()}): {reason}"))
-            channel.close()
-            if channel.reader is not None and channel.reader is not asyncio.current_task():
-                channel.reader.cancel()
-        for state in self._states.values():
-            state.received.pop(sender, None)
-        self._on_complete(completed)
-
-    async def _watchdog(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._core.done:
-            for sender in self._core.expired(loop.time()):
-                if sender in self._channels:
-                    reason = f"sent no part for sender_timeout={self.sender_timeout}s"
-                else:
-                    reason = f"did not open its stream within sender_timeout={self.sender_timeout}s"
-                self._exclude(sender, reason)
-            deadline = self._core.next_deadline()
-            progress = self._progress
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(deadline):
-                    await progress.wait()
-
-    # --- reducer side: answers -------------------------------------------------------------------
-
-    def _on_complete(self, completed: range) -> None:
-        for index in completed:
-            self._answer(index)
-        if completed:
-            self._notify()
-        if self._core.done and not self._reduced.is_set():
-            self._reduced.set()
-            for channel in self._channels.values():
-                channel.close()
-
-    def _answer(self, index: int) -> None:
-        state = self._states.pop(index, None)
-        part = self.partition.part(self.me, index)
-        recipients = [s for s in sorted(self._core.live) if s != self.me and s in self._channels]
-        dtype = self.partition.dtype(part)
-        target = self.partition.output(part) if self.is_sender and self.me in self._core.live else None
-        if target is not None:
-            self._applied[self.me] = index + 1  # in place by the end of this call, or kept
-        if state is None or state.total_weight <= 0:
-            keep = AnswerHeader(index, AnswerKind.KEEP, part.numel, dtype_name(dtype), 0).encode()
-            for sender in recipients:
-                self._channels[sender].push((keep, None))
-            if target is not None:
-                self.partition.keep(part)
-            return
-        in_place = (target is not None and self.alpha == 1.0 and target.dtype == state.acc.dtype
-                    and target.device.type == "cpu")  # the average is final for this round: shared from there
-        total = state.total_weight
-        average = torch.div(state.acc, total, out=target) if in_place else state.acc.div_(total)
-        shared = None
-        for sender in recipients:
-            received = state.received.pop(sender, None)  # freed as its answer takes its place
-            if received is None:
-                if shared is None:
-                    wire = average.to(dtype)
-                    header = AnswerHeader(index, AnswerKind.AVERAGE, part.numel, dtype_name(dtype), 0)
-                    shared = (header.encode(), tensor_bytes_view(wire))
-                self._channels[sender].push(shared)
-            else:
-                sent_header, sent_buffer = received
-                x_decoded = decode_tensor(sent_header.numel, sent_header.dtype, sent_header.compression, sent_buffer)
-                delta = (average - x_decoded).to(dtype)
-                info = self.partition.compression_info(part)
-                name, compression, buffer = encode_tensor(delta, info, self.compression)
-                header = AnswerHeader(index, AnswerKind.DELTA, part.numel, name, compression)
-                self._channels[sender].push((header.encode(), buffer))
-        if target is not None and not in_place:
-            self.partition.apply_average(part, average, self.alpha)
-
-    # --- reducer side: one sender's stream ---------------------------------------------------------
+    # --- reducer side ---------------------------------------------------------------------------------
 
     async def serve_sender(self, stream, first: PartHeader, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The reducer's side of one sender's stream: read its parts, yield the answer frames."""
@@ -505,85 +517,10 @@ class AllReduceRunner:
         sender = self.peers.index(peer) if peer in self.peers else None
         if sender is None or sender == self.me or self.modes[sender] == AveragingMode.AUX:
             raise SenderExcluded(f"{peer.short()} is not a sender of all-reduce {self.group_id.hex()[:8]}")
-        if not self.is_reducing:
+        if self.reducer is None:
             raise SenderExcluded(f"{self.host.peer_id.short()} reduces no part of all-reduce {self.group_id.hex()[:8]}")
-        try:
-            async with asyncio.timeout(self.sender_timeout):
-                await self._started.wait()
-        except TimeoutError:
-            raise SenderExcluded("this peer has not started the round; is the group id stale?") from None
-        if sender in self._core.excluded:
-            raise SenderExcluded(f"{EXCLUDED_YOU} {self.group_id.hex()[:8]}: {self._core.excluded[sender]}")
-        if sender in self._channels:
-            raise SenderExcluded("a second stream from the same sender; one per reducer and round")
-        channel = self._channels[sender] = _Channel(stream)
-        channel.reader = self._spawn(self._read_parts(sender, first, frames))
-        try:
-            while True:
-                while not channel.answers and not channel.closed:
-                    channel.wake.clear()
-                    await channel.wake.wait()
-                if not channel.answers:
-                    return
-                item = channel.answers.popleft()
-                self._notify()  # a slot in this sender's answer backlog is free
-                if isinstance(item, Exception):
-                    raise item
-                header, buffer = item
-                try:
-                    yield header
-                    if buffer is not None:
-                        yield buffer
-                except GeneratorExit:  # the RPC layer dropped us: writing to the sender failed
-                    self._exclude(sender, "its stream broke while answers were written to it")
-                    raise
-        finally:
-            channel.finished.set()
-
-    async def _read_parts(self, sender: int, header: Optional[PartHeader], frames: AsyncIterator[bytes]) -> None:
-        weight, received = header.weight, 0
-        try:
-            if weight is None:
-                raise ValueError("the first part header must carry group_id and weight")
-            while received < self.num_parts:
-                channel = self._channels[sender]
-                await self._wait_until(lambda: sender not in self._core.live
-                                       or self._core.allowed(sender) and len(channel.answers) < self.window)
-                if sender not in self._core.live:
-                    return
-                if header is None:
-                    raw = await anext(frames, None)
-                    if raw is None:
-                        raise ValueError(f"stream ended after {received} of {self.num_parts} parts")
-                    header = PartHeader.decode(raw)
-                    if header.group_id is not None:
-                        raise ValueError(f"part {header.index} repeats group_id/weight; only the first part has them")
-                buffer = await anext(frames, None)
-                if buffer is None:
-                    raise ValueError(f"stream ended before the buffer of part {header.index}")
-                part = self._check_part(header)
-                values = decode_tensor(header.numel, header.dtype, header.compression, buffer)
-                if self.reject_nonfinite and not bool(torch.isfinite(values).all()):
-                    raise ValueError(f"part {part.index} holds NaN or inf values")
-                lossy = header.compression != CompressionType.NONE
-                self._contribute(sender, part, values, weight, (header, buffer) if lossy else None)
-                received, header, buffer, values = received + 1, None, None, None  # added: not held while waiting
-        except asyncio.CancelledError:
-            raise
-        except (ValueError, MessageError, CompressionError, rpc.RPCProtocolError, ConnectionError,
-                asyncio.IncompleteReadError) as error:
-            plain = type(error) is ValueError  # our own checks: the message says it all
-            self._exclude(sender, str(error) if plain else f"{type(error).__name__}: {error}")
-
-    def _check_part(self, header: PartHeader) -> Part:
-        part = self.partition.part(self.me, header.index) if 0 <= header.index < self.num_parts else None
-        if part is None:
-            raise ValueError(f"part index {header.index} is outside this span's {self.num_parts} parts")
-        dtype = dtype_name(self.partition.dtype(part))
-        if header.numel != part.numel or header.dtype != dtype:
-            raise ValueError(f"part {header.index} has {header.numel} x {header.dtype}, expected {part.numel} x "
-                             f"{dtype}: do all peers use the same tensors, part_size_bytes and compression?")
-        return part
+        async for frame in self.reducer.serve_sender(stream, first, frames):
+            yield frame
 
 
 # --- routing incoming streams to runners ----------------------------------------------------------

@@ -11,6 +11,14 @@ into the working copy under the lock, and the round runs on it.) One working cop
 memory an averager adds besides the transport's buffers. Writes made to the tensors while a round
 runs may or may not be part of what it contributes, and its result replaces them.
 
+Bad members. By default a round excludes a member whose parts hold NaN or inf and fails a span
+whose reducer answers them (`reject_nonfinite`), and bounds every member's weight relative to the
+group (`max_weight_ratio`) and by `weight_limits`. With `robust`, each reducer takes the
+CenteredClip of its parts instead of their mean and the members check every reducer's result
+(`aggregation.py`, `verification.py`): one member sending anything moves a part's result by at
+most its clipping radius over the group size, and a reducer answering wrongly has its parts
+discarded. Hivemind has none of this.
+
 Everything runs on the DHT's event loop; `step`, `load_state_from_peers` and friends are thread-
 safe, blocking calls (or return futures), as in hivemind.
 """
@@ -21,7 +29,7 @@ import hashlib
 import math
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +41,7 @@ from ..p2p.identity import PeerID
 from ..utils.logging import get_logger
 from ..utils.serializer import MSGPackSerializer
 from ..utils.timing import get_dht_time
+from .aggregation import DEFAULT_MAX_WEIGHT_RATIO, RobustAggregation
 from .allreduce import DEFAULT_PART_SIZE_BYTES, AllReduceRouter, AllReduceRunner, AveragingMode
 from .control import AveragingStage, StepControl
 from .load_balancing import load_balance_peers
@@ -68,7 +77,21 @@ class DecentralizedAverager:
     `sender_timeout` (default `next_chunk_timeout`, else 10 s) and `reducer_timeout` (default twice
     that) cut off stalled peers; `allreduce_timeout` bounds a whole round; `bandwidth` weighs how
     much of the vector this peer reduces; `auxiliary` peers only reduce; client-mode peers only send.
+
+    Robustness (Plexus's own; see the module comment):
+        reject_nonfinite: exclude members that send NaN or inf, refuse such answers (default True).
+        max_weight_ratio: no member's weight counts for more than this many times the group's
+            lower-median positive weight (default 8: peers may differ in speed, not by 1e9).
+        weight_limits: optional `(peer_ids) -> {peer_id: most weight}`, called on the event loop
+            as each round starts (keep it cheap); e.g. the samples a peer's progress record
+            justifies. Peers it leaves out are bounded by `max_weight_ratio` only.
+        robust: a `RobustAggregation` for CenteredClip per part and verified reducers (default
+            None: the plain weighted mean). All members of a group must pass equal options.
     """
+
+    allreduce_runner = AllReduceRunner
+    """The class rounds run with; a subclass may override its `outgoing`/`reduced` seams to play a
+    faulty member in tests (set it on an instance)."""
 
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, start: bool = False,
                  prefix: str, target_group_size: int | None = None, min_group_size: int = 2,
@@ -79,7 +102,11 @@ class DecentralizedAverager:
                  compression: CompressionBase = NoCompression(), state_compression: CompressionBase = NoCompression(),
                  tensor_infos: Sequence[CompressionInfo] | None = None, bandwidth: float | None = None,
                  min_vector_size: int = 0, auxiliary: bool = False, allow_state_sharing: bool | None = None,
-                 declare_state_period: float = 30, client_mode: bool | None = None, shutdown_timeout: float = 5):
+                 declare_state_period: float = 30, client_mode: bool | None = None,
+                 shutdown_timeout: float = 5, reject_nonfinite: bool = True,
+                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+                 weight_limits: Callable[[Sequence[PeerID]], Mapping[PeerID, float]] | None = None,
+                 robust: RobustAggregation | None = None):
         if "." in prefix:
             raise ValueError(f"prefix must not contain '.', got {prefix!r}")
         self.dht, self.prefix = dht, prefix
@@ -106,6 +133,13 @@ class DecentralizedAverager:
         self.bandwidth = 0.0 if self.client_mode else bandwidth
         self.min_vector_size, self.declare_state_period = min_vector_size, declare_state_period
         self.shutdown_timeout = shutdown_timeout
+        if not max_weight_ratio >= 1:
+            raise ValueError(f"max_weight_ratio must be at least 1, got {max_weight_ratio}")
+        if robust is not None and robust.verify and averaging_alpha != 1.0:
+            raise ValueError("robust=RobustAggregation(verify=True) needs averaging_alpha=1: members check "
+                             "the result they applied")
+        self.reject_nonfinite, self.max_weight_ratio = reject_nonfinite, max_weight_ratio
+        self.weight_limits, self.robust = weight_limits, robust
         self._allow_state_sharing = not (self.client_mode or auxiliary) if allow_state_sharing is None else allow_state_sharing
         self._state_sharing_priority = 0.0
         self.schema_hash = self._compute_schema_hash()
@@ -119,7 +153,10 @@ class DecentralizedAverager:
     def _compute_schema_hash(self) -> bytes:
         """Peers average together only if they cut the vector into the same parts."""
         schema = [(tuple(t.shape), str(t.dtype)) for t in self._tensors]
-        return hashlib.sha256(repr((schema, self.part_size_bytes, type(self.compression).__name__)).encode()).digest()
+        layout = (schema, self.part_size_bytes, type(self.compression).__name__)
+        if self.robust is not None:  # robust rounds speak more on the wire, and must clip alike
+            layout += (repr(self.robust),)
+        return hashlib.sha256(repr(layout).encode()).digest()
 
     # --- life cycle --------------------------------------------------------------------------------
 
@@ -187,10 +224,11 @@ class DecentralizedAverager:
         """Download (metadata, tensors) from up-to-date peers; None if nobody shares state.
 
         `min_priority` (e.g. the swarm's epoch): fail with `StateDownloadError` rather than take
-        an older state."""
+        an older state. With `reject_nonfinite`, a donor's state holding NaN or inf is refused and
+        the others are tried."""
         future = self._background.submit(
             load_state_from_peers(self.dht.host, self.dht.node, self.prefix, timeout=timeout,
-                                  min_priority=min_priority))
+                                  min_priority=min_priority, reject_nonfinite=self.reject_nonfinite))
         return future.result() if wait else future
 
     @property
@@ -238,11 +276,11 @@ class DecentralizedAverager:
         see `StepControl.weight_for_group`. `expected_group_size`: peers the caller knows will look
         for this round; the group waits for them until the scheduled time instead of forming early.
 
-        `accept_partial=False`: a round in which a span of ours failed (its reducer left, so those
-        parts kept our local values) counts as failed: our tensors are left exactly as they were,
-        and the step retries with a new group while the deadline allows, or, if a reducer went on
-        without us, raises LeftOutError. Then every successful step leaves this peer with the same
-        result as everyone who averaged with it.
+        `accept_partial=False`: a round in which a span of ours failed (its reducer left, or its
+        result failed verification, so those parts kept our local values) counts as failed: our
+        tensors are left exactly as they were, and the step retries with a new group while the
+        deadline allows, or, if a reducer went on without us, raises LeftOutError. Then every
+        successful step leaves this peer with the same result as everyone who averaged with it.
         `alone_timeout`: give up (NoPeersError, no retry) that many seconds after the scheduled
         time when no other peer is looking for a group, instead of waiting for the deadline.
         `round_tag`: meet only steps with the same tag (e.g. an epoch; see `Matchmaking`).
@@ -331,24 +369,35 @@ class DecentralizedAverager:
         total = sum(tensor.numel() for tensor in self._tensors)
         fractions = load_balance_peers(total, bandwidths, self.min_vector_size)
         async with self._round_tensors() as (sources, outputs):
-            runner = AllReduceRunner(
+            runner = self.allreduce_runner(
                 self.dht.host, group.group_id, sources, group.peer_ids, fractions, modes, weight, self.compression,
                 self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
-                averaging_alpha=self.averaging_alpha, tensor_infos=self.tensor_infos, outputs=outputs)
+                averaging_alpha=self.averaging_alpha, tensor_infos=self.tensor_infos, outputs=outputs,
+                **self._member_checks(group.peer_ids))
             with _routers[self.dht.host].register(runner):
                 async with asyncio.timeout(self.allreduce_timeout):
                     report = await runner.run()
             failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
                                for f in report.failed_spans)
-            if report.failed_spans and not accept_partial:  # raised inside: the result is not published
+            if (report.failed_spans or report.discarded_parts) and not accept_partial:  # not published
                 if any(failure.excluded for failure in report.failed_spans):
                     raise LeftOutError(f"Averaging step failed: the group {group.group_id.hex()[:8]} averaged "
                                        f"without this peer: {failed}")
-                raise ConnectionError(f"spans kept local values: {failed}")
+                discarded = ", ".join(peer.short() for peer in report.discarded_parts)
+                raise ConnectionError(f"spans kept local values: {failed or 'none'}; parts that failed "
+                                      f"verification, reduced by: {discarded or 'none'}")
         if not report.complete:
             logger.warning(f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "
-                           f"values: {failed or 'none'}; excluded senders: {list(map(str, report.excluded_senders))}")
+                           f"values: {failed or 'none'}; excluded senders: "
+                           f"{list(map(str, report.excluded_senders))}; parts that failed verification: "
+                           f"{len(report.discarded_parts)} span(s)")
         return {peer: MSGPackSerializer.loads(member[2]) for peer, member in zip(group.peer_ids, members)}
+
+    def _member_checks(self, peer_ids: Sequence[PeerID]) -> dict:
+        """The runner options that guard a round against bad members."""
+        limits = dict(self.weight_limits(peer_ids)) if self.weight_limits is not None else None
+        return dict(reject_nonfinite=self.reject_nonfinite, max_weight_ratio=self.max_weight_ratio,
+                    weight_limits=limits, robust=self.robust)
 
     async def _acquire_lock(self) -> None:
         """Take the tensors' lock without blocking the loop; if cancelled meanwhile, let it go."""

@@ -11,6 +11,12 @@ Only the first `PartHeader` of a stream carries `group_id` and `weight` (they ho
 stream); later headers must leave them out. Buffers are validated against (numel, dtype,
 compression) by `SerializedTensor` before any tensor memory is touched; `encode_tensor` and
 `decode_tensor` turn a part into (dtype, compression, buffer) and back.
+
+With reducer verification (`RobustAggregation.verify`), both directions go on after the last
+part: the sender sends `VerifyDone` once it has every answer of every span, the reducer answers
+`VerifySeed`, the sender sends its `VerifyReport` (scalars, see `verification.py`) and the
+reducer closes with its `VerifyVerdict`. Answers then also carry the CenteredClip `radius`, and
+the first answer the `weight` the reducer gave the sender.
 """
 
 from __future__ import annotations
@@ -86,17 +92,68 @@ class AnswerHeader(Message):
     numel: int
     dtype: str
     compression: int
+    radius: float | None = None  # robust mode: the CenteredClip radius of this part
+    weight: float | None = None  # with verification, first answer only: the weight the sender got
 
     def __post_init__(self) -> None:
         _check_tensor_fields(self.index, self.numel, self.dtype, self.compression)
         if self.kind not in AnswerKind._value2member_map_:
             raise ValueError(f"unknown answer kind {self.kind!r}")
+        for name in ("radius", "weight"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+
+# --- reducer verification (after the last part) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VerifyDone(Message):
+    """Sender -> reducer: this sender has every answer of every span it sent (or gave up on them)."""
+
+
+@dataclass(frozen=True)
+class VerifySeed(Message):
+    """Reducer -> sender: the seed of this verifier's random directions, revealed only now."""
+
+    seed: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.seed) != 32:
+            raise ValueError(f"a verification seed has 32 bytes, got {len(self.seed)}")
+
+
+@dataclass(frozen=True)
+class VerifyReport(Message):
+    """Sender -> reducer: for each span of the group, the weight its reducer gave this sender and
+    one `verification.PART_FIELDS` row of float64 per part it received, all rows in `rows`."""
+
+    weights: list[float]
+    parts: list[int]
+    rows: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.weights) != len(self.parts) or any(count < 0 for count in self.parts):
+            raise ValueError("a report needs one weight and one part count >= 0 per span")
+        if len(self.rows) != sum(self.parts) * 8 * 4:
+            raise ValueError(f"{sum(self.parts)} parts need {sum(self.parts) * 32} bytes of rows, "
+                             f"got {len(self.rows)}")
+
+
+@dataclass(frozen=True)
+class VerifyVerdict(Message):
+    """Reducer -> sender: per span, the indices of the parts this verifier found wrong, or None for
+    a span it did not judge (its own, or one it lacked reports for)."""
+
+    bad_parts: list[list[int] | None]
 
 
 # --- buffers ---------------------------------------------------------------------------------------
 
 
-def _base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
+def base_method(compression: CompressionBase, info: CompressionInfo) -> CompressionBase:
+    """The method that actually encodes a tensor of `info` (adaptive wrappers resolved)."""
     while isinstance(compression, AdaptiveCompressionBase):
         compression = compression.choose_compression(info)
     return compression
@@ -105,7 +162,7 @@ def _base_method(compression: CompressionBase, info: CompressionInfo) -> Compres
 def encode_tensor(tensor: torch.Tensor, info: CompressionInfo, compression: CompressionBase):
     """(dtype name, compression type, buffer) for a 1-D tensor; uncompressed data is a zero-copy
     view of the tensor's memory (valid until the tensor is written to)."""
-    method = _base_method(compression, info)
+    method = base_method(compression, info)
     if isinstance(method, NoCompression):
         return dtype_name(tensor.dtype), int(CompressionType.NONE), tensor_bytes_view(tensor.detach().cpu())
     serialized = method.compress(tensor, info)

@@ -18,7 +18,8 @@ deadline.
 
 Results: (metadata, tensors); None when no donor declared itself (or all said they no longer
 share); `StateDownloadError` naming every donor tried and why it failed otherwise, or saying
-that no donor has reached `min_priority` yet.
+that no donor has reached `min_priority` yet. A state holding NaN or inf is refused
+(`reject_nonfinite`): that donor is not asked again, and the next attempt goes to the others.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ from ..p2p.host import Host
 from ..p2p.identity import PeerID
 from ..p2p.messages import MessageError
 from ..p2p.multiaddr import Multiaddr, MultiaddrError
-from ..utils.logging import get_logger
+from ..utils.logging import RateLimitedLog, get_logger
 from ..utils.serializer import MSGPackSerializer, SerializationError
+from ..utils.tensors import first_nonfinite
 from .state_messages import (
-    MAX_CHUNKS_PER_REQUEST,
     MAX_CHUNK_SIZE,
+    MAX_CHUNKS_PER_REQUEST,
     MAX_METADATA_SIZE,
     MAX_REPLY_SIZE,
     MAX_REQUEST_SIZE,
@@ -58,6 +60,7 @@ from .state_messages import (
 from .state_sharing import MAX_ADDR_BYTES, MAX_DECLARED_ADDRS, all_averagers_key
 
 logger = get_logger(__name__)
+_refusals = RateLimitedLog(logger)  # a donor's poisoned state: once a minute
 
 DEFAULT_DOWNLOAD_TIMEOUT = 600.0
 BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.05, 2.0
@@ -222,10 +225,11 @@ class _Download:
     """One `load_state_from_peers` call: its deadline, the chunks verified so far, and who failed."""
 
     def __init__(self, host: Host, prefix: str, deadline: float, stall_timeout: float, max_donors: int,
-                 batch_chunks: int, rng: random.Random, min_priority: float | None = None):
+                 batch_chunks: int, rng: random.Random, min_priority: float | None = None,
+                 reject_nonfinite: bool = True):
         self.host, self.prefix, self.deadline, self.stall_timeout = host, prefix, deadline, stall_timeout
         self.max_donors, self.batch_chunks, self.rng = max_donors, batch_chunks, rng
-        self.min_priority = min_priority
+        self.min_priority, self.reject_nonfinite = min_priority, reject_nonfinite
         self.newest_refused: float | None = None  # the newest state refused as too old
         self.loop = asyncio.get_running_loop()
         self.have: dict[bytes, bytes] = {}  # verified chunks by SHA-256, kept across attempts
@@ -421,6 +425,12 @@ class _Download:
             except CompressionError as error:
                 self._fail(donor, _DonorFailed(f"sent a manifest whose tensors do not decode: {error}"))
                 return None
+            if self.reject_nonfinite and (bad := first_nonfinite(tensors)) is not None:
+                _refusals.warning(("nonfinite state", donor.peer_id),
+                                  f"refusing the state {self.prefix!r} of {donor.peer_id}: its tensor "
+                                  f"{bad} holds NaN or inf")
+                self._fail(donor, _DonorFailed(f"sent a state whose tensor {bad} holds NaN or inf"))
+                return None
             return metadata, tensors
         finally:
             leftovers = list(manifests) + list(workers)
@@ -436,10 +446,26 @@ class _Download:
         return "; ".join(f"{peer}: {reason}" for peer, reason in reasons.items()) or "no donor answered"
 
 
+async def stated_priority(host: Host, prefix: str, peer_id: PeerID, *, timeout: float) -> float | None:
+    """The priority (e.g. the epoch) of the state `peer_id` would serve under `prefix` now, as its
+    manifest states it; None when it does not share state there, breaks the protocol or does not
+    answer within `timeout`. This is how a reader checks a peer's claim to be ahead of the swarm."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    download = _Download(host, prefix, deadline, timeout, 1, 1, random.Random())
+    try:
+        async with asyncio.timeout(timeout):
+            manifest, _ = await download.fetch_manifest(Donor(peer_id, 0.0))
+    except Exception as error:  # unreachable, refusing, broken or too slow: the claim stays unconfirmed
+        logger.debug(f"{peer_id} did not state the priority of its state under {prefix!r}: {error!r}")
+        return None
+    return manifest.priority
+
+
 async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, timeout: float | None = None,
                                 max_attempts: int = 3, min_priority: float | None = None, max_donors: int = 4,
                                 stall_timeout: float = 30.0, batch_chunks: int = 8,
-                                rng: random.Random | None = None) -> tuple[Any, list[torch.Tensor]] | None:
+                                rng: random.Random | None = None,
+                                reject_nonfinite: bool = True) -> tuple[Any, list[torch.Tensor]] | None:
     """Download (metadata, tensors) from the peers sharing state under `prefix`.
 
     Args:
@@ -452,6 +478,7 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
         max_donors: donors asked for a manifest, and so fetched from in parallel, per round.
         stall_timeout: the longest wait for any one reply or chunk before giving up on that donor.
         batch_chunks: chunks asked for per request (at most MAX_CHUNKS_PER_REQUEST).
+        reject_nonfinite: refuse a state holding NaN or inf, and try the other donors.
 
     Returns:
         (metadata, tensors): CPU tensors in the donor's order, dtypes and shapes; or None when no
@@ -469,7 +496,7 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
     loop = asyncio.get_running_loop()
     started = loop.time()
     download = _Download(host, prefix, started + timeout, stall_timeout, max_donors, batch_chunks,
-                         rng or random.Random(), min_priority)
+                         rng or random.Random(), min_priority, reject_nonfinite)
     attempts = 0
     try:
         async with asyncio.timeout_at(download.deadline):

@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ..p2p.auth import AuthorizerBase
 from ..p2p.autonat import AutoNAT, AutoNATService
 from ..p2p.dcutr import HolePuncher
 from ..p2p.host import DialError, Host, HostOptions
@@ -68,7 +69,8 @@ class DHT:
                  auto_nat: bool = True, force_reachability: str | None = None,
                  relay_service: bool | RelayLimits = True, hole_punching: bool = True,
                  use_ipfs: bool = False, ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
-                 noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, **node_options):
+                 noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, swarm_key: bytes | None = None,
+                 authorizer: AuthorizerBase | None = None, **node_options):
         """
         Args (besides hivemind's DHT ones):
             client_mode: True: only dial out, take part as a client; None: decide at start (a peer
@@ -85,6 +87,12 @@ class DHT:
             ipfs_bootstrap_peers: where to join that DHT (default: the public IPFS bootstrap peers).
             noise_ciphers: Noise cipher functions to offer, most preferred first (`HostOptions`); put
                 "ChaChaPoly" first on a CPU without AES instructions.
+            storage_limits (passed on to `DHTNode.create`): a `plexus.dht.storage.StorageLimits`, the
+                bounds of what this peer stores for others (per sender, per owner, per key, in all).
+            swarm_key: a private network's 32-byte pre-shared key (`plexus.p2p.pnet.load_swarm_key`
+                reads a swarm.key file): only peers holding it can connect at all.
+            authorizer: admit only peers it accepts (e.g. `SignedTokenAuthorizer`, access tokens signed
+                by the run's authority), on every protocol of this peer's host: DHT, averaging, experts.
         """
         if force_reachability not in (None, "public", "private"):
             raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")
@@ -98,7 +106,8 @@ class DHT:
         self.force_reachability, self.hole_punching = force_reachability, hole_punching and use_relay
         self.host_options = HostOptions(  # checked here, not at start
             host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
-            reuse_port=self.hole_punching and bool(self.host_maddrs), noise_ciphers=tuple(noise_ciphers))
+            reuse_port=self.hole_punching and bool(self.host_maddrs), noise_ciphers=tuple(noise_ciphers),
+            swarm_key=swarm_key)
         self.relay_limits = relay_service if isinstance(relay_service, RelayLimits) else \
             RelayLimits() if relay_service else None
         self.use_ipfs, self.ipfs_bootstrap_peers = use_ipfs, ipfs_bootstrap_peers
@@ -113,6 +122,7 @@ class DHT:
         self.private_key = load_or_create_identity(identity_path) if identity_path else PrivateKey.generate()
         self.peer_id: PeerID = self.private_key.peer_id
         self._record_validator = CompositeValidator(record_validators)
+        self.authorizer = authorizer
         self.num_workers, self.startup_timeout, self.shutdown_timeout = num_workers, startup_timeout, shutdown_timeout
         self._node_options = node_options
         self.host: Host | None = None
@@ -141,7 +151,7 @@ class DHT:
 
     async def _start(self) -> None:
         listening = bool(self.host_maddrs)
-        self.host = await Host(self.private_key, self.host_options).start()
+        self.host = await Host(self.private_key, self.host_options, authorizer=self.authorizer).start()
         try:
             self._start_nat_components(listening)
             if self.use_ipfs:

@@ -39,7 +39,7 @@ from .messages import (
 )
 from .protocol import DHTProtocol, HandOver, PingToEvict
 from .routing import DHTID, RoutingTable
-from .storage import DHTLocalStorage
+from .storage import DHTLocalStorage, StorageLimits
 from .store_and_get import StoreAndGet
 from .transport import DHTTransport
 from .traverse import Traversal, TraversalRequest
@@ -93,8 +93,11 @@ class DHTNode(StoreAndGet):
         record_validator=None,
         ensure_bootstrap_success: bool = True,
         bootstrap_timeout: float | None = None,
+        storage_limits: StorageLimits | None = None,
     ) -> "DHTNode":
         """Start serving on `rpc` (unless `client_mode`), then join through `initial_peers`.
+
+        `storage_limits` bounds what this node stores and caches for others (default: `StorageLimits()`).
 
         Raises DHTBootstrapError when initial peers were given, none answered a ping and
         `ensure_bootstrap_success` is set; the message lists every peer tried and why it failed."""
@@ -110,7 +113,9 @@ class DHTNode(StoreAndGet):
         self.refresh_timeout = refresh_timeout
         self.record_validator = record_validator
         self.routing_table = RoutingTable(self.node_id, bucket_size, depth_modulo)
-        self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage(maxsize=cache_size)
+        self.storage_limits = StorageLimits() if storage_limits is None else storage_limits
+        self.storage = DHTLocalStorage(limits=self.storage_limits)
+        self.cache = DHTLocalStorage(maxsize=cache_size, limits=self.storage_limits)
         self.protocol = DHTProtocol(
             self.node_id, self.routing_table, self.storage, self.cache, record_validator, num_replicas, client_mode,
             addresses_of=rpc.known_addresses,

@@ -16,6 +16,7 @@ DHT_PROTOCOL = "/plexus/dht/1.0.0"
 MAX_DHT_MESSAGE_SIZE = 8 << 20
 MAX_SHARED_ADDRESSES = 8
 MAX_CACHED_PEERS = 4096
+MAX_CONCURRENT_REQUESTS_PER_PEER = 256  # a node sends at most DEFAULT_PARALLEL_RPC (256) requests at once
 
 
 class HostDHTTransport:
@@ -39,7 +40,8 @@ class HostDHTTransport:
         async def serve(request: bytes, context: rpc.RPCContext) -> bytes:
             return await handler(context.remote_peer, request)
 
-        rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE)
+        rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE,
+                        max_concurrent_per_peer=MAX_CONCURRENT_REQUESTS_PER_PEER)
 
     def _binary_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
         """The host's addresses of `peer`, in binary, converted again only when the host's list

@@ -17,9 +17,11 @@ Records are validated before they are stored; the driver validates found records
 """
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 
 from ..p2p.identity import PeerID
+from ..utils.logging import RateLimitedLog
 from .messages import (
     FindRequest,
     FindResponse,
@@ -34,9 +36,10 @@ from .messages import (
 )
 from .records import PLAIN_VALUE_SUBKEY, make_record, merge_found
 from .routing import DHTID, RoutingTable
-from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration
+from .storage import DHTLocalStorage, DictionaryDHTValue, ValueWithExpiration, describe_sender
 from .validation import RecordValidatorBase
 
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ class DHTProtocol:
         self.node_id, self.routing_table, self.storage, self.cache = node_id, routing_table, storage, cache
         self.validator, self.num_replicas, self.client_mode = validator, num_replicas, client_mode
         self.addresses_of = addresses_of
+        self._refusals = RateLimitedLog(logger)
 
     @property
     def own_id(self) -> DHTID | None:
@@ -95,7 +99,8 @@ class DHTProtocol:
         if isinstance(request, PingRequest):
             return PingResponse(self.own_id, now, available), actions
         if isinstance(request, StoreRequest):
-            return StoreResponse(self.own_id, tuple(self.store_item(item, now) for item in request.items)), actions
+            stored = tuple(self.store_item(item, now, sender.to_bytes()) for item in request.items)
+            return StoreResponse(self.own_id, stored), actions
         if isinstance(request, FindRequest):
             results = tuple(self._find(key, request.node_id, now) for key in request.keys)
             return FindResponse(self.own_id, results, self._addresses(results)), actions
@@ -104,12 +109,15 @@ class DHTProtocol:
     def is_valid(self, key: DHTID, subkey: bytes | None, value: bytes, expiration_time: float) -> bool:
         return self.validator is None or self.validator.validate(make_record(key, subkey, value, expiration_time))
 
-    def store_item(self, item: StoreItem, now: float) -> bool:
-        """Validate and keep one record (in the cache if `in_cache`); False if refused."""
+    def store_item(self, item: StoreItem, now: float, sender: bytes | None = None) -> bool:
+        """Validate and keep one record (in the cache if `in_cache`), booked to `sender` (the peer id
+        bytes of whoever sent it; None: ourselves) for the storage limits; False if refused."""
         if not self.is_valid(item.key, item.subkey, item.value, item.expiration_time):
+            self._refusals.warning(("invalid record", sender), f"refused a record from {describe_sender(sender)}: "
+                                                        f"it fails validation (signature, schema or bounds)")
             return False
         target = self.cache if item.in_cache else self.storage
-        return target.store(item.key, item.value, item.expiration_time, now, subkey=item.subkey)
+        return target.store(item.key, item.value, item.expiration_time, now, item.subkey, sender)
 
     def lookup_local(self, key: DHTID, now: float) -> ValueWithExpiration | None:
         """What storage and cache hold for `key`, merged by the usual record rules."""
@@ -134,7 +142,8 @@ class DHTProtocol:
         if found is None:
             return FindResult(None, None, float("-inf"), nearest)
         if isinstance(found.value, DictionaryDHTValue):
-            entries = tuple((subkey, item.value, item.expiration_time) for subkey, item in found.value.items(now))
+            entries = tuple((subkey, item.value, item.expiration_time)
+                            for subkey, item in self.storage.reply_items(found.value, now))
             return FindResult(None, entries, found.expiration_time, nearest)
         return FindResult(found.value, None, found.expiration_time, nearest)
 

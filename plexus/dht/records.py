@@ -12,7 +12,7 @@ from ..utils.serializer import MSGPackSerializer, SerializationError
 from ..utils.timed_storage import ValueWithExpiration
 from .messages import FindResult, StoreItem
 from .routing import DHTID
-from .storage import DHTLocalStorage, DictionaryDHTValue
+from .storage import DHTLocalStorage, DictionaryDHTValue, Sender
 from .validation import DHTRecord, RecordValidatorBase
 
 logger = logging.getLogger(__name__)
@@ -24,17 +24,20 @@ def make_record(key: DHTID, subkey: bytes | None, value: bytes, expiration_time:
     return DHTRecord(key.to_bytes(), PLAIN_VALUE_SUBKEY if subkey is None else subkey, value, expiration_time)
 
 
-def merge_found(target: DHTLocalStorage, key_id: DHTID, found: FindResult | ValueWithExpiration, now: float) -> None:
+def merge_found(target: DHTLocalStorage, key_id: DHTID, found: FindResult | ValueWithExpiration, now: float,
+                sender: Sender = None) -> None:
+    """`sender`: the peer whose answer `found` is; entries merged from a storage keep their own."""
     if isinstance(found, FindResult):
         if found.entries is not None:
-            target.store_dictionary(key_id, list(found.entries), now)
+            target.store_dictionary(key_id, list(found.entries), now, sender)
         elif found.value is not None:
-            target.store(key_id, found.value, found.expiration_time, now)
+            target.store(key_id, found.value, found.expiration_time, now, sender=sender)
     elif isinstance(found.value, DictionaryDHTValue):
-        entries = [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items(now)]
-        target.store_dictionary(key_id, entries, now)
+        for subkey, item in found.value.items(now):
+            target.store_subkey(key_id, subkey, item.value, item.expiration_time, now,
+                                found.value.senders.get(subkey, sender))
     else:
-        target.store(key_id, found.value, found.expiration_time, now)
+        target.store(key_id, found.value, found.expiration_time, now, sender=sender)
 
 
 def store_items_of(key_id: DHTID, found: ValueWithExpiration, now: float, in_cache: bool) -> list[StoreItem]:

@@ -210,7 +210,7 @@ class StoreAndGet:
 
         def on_result(request: TraversalRequest, key_id: DHTID, result: FindResult) -> None:
             now = get_dht_time()
-            merge_found(merged, key_id, result, now)
+            merge_found(merged, key_id, result, now, sender=request.peer_id.to_bytes())
             answers[key_id].append((result.expiration_time, request.node_id, request.peer_id))
             best = merged.get(key_id, now)
             if best is not None and best.expiration_time >= sufficient:

@@ -39,6 +39,12 @@ instead of contributing stale gradients; a GradScaler requires `reuse_grad_buffe
 its scaling rules are correct for). The tutorial's status lines (`Step #N`, `Your current
 contribution`, `Performance`, `Local loss`, `Averaged gradients/parameters with N peers`) are
 logged at each epoch, at INFO with `verbose=True`.
+
+Bad members. A batch whose local gradients are not finite is dropped before it is accumulated
+(with a GradScaler, as torch's scaler does; without one, by a check of every gradient), so it
+never reaches a round. In gradient rounds no member's weight counts for more than its progress
+record justifies (`_gradient_weight_limits`), and rounds reject non-finite parts (the averagers'
+defaults). `robust_aggregation` turns on CenteredClip and verified reducers in both averagers.
 """
 
 import concurrent.futures
@@ -51,11 +57,14 @@ from typing import Any
 
 import torch
 
+from ..averaging.aggregation import RobustAggregation
 from ..averaging.averager import AveragingError, LeftOutError
 from ..averaging.control import AveragingStage, StepControl
 from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
-from ..utils.logging import get_logger
+from ..p2p.identity import PeerID
+from ..utils.logging import RateLimitedLog, get_logger
+from ..utils.tensors import all_finite
 from ..utils.timing import get_dht_time
 from .epoch_policy import (
     EpochAction,
@@ -71,6 +80,7 @@ from .progress_tracker import ProgressTracker
 from .state_averager import StateLoadError, TrainingStateAverager
 
 logger = get_logger(__name__)
+_dropped_batches = RateLimitedLog(logger)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -78,7 +88,9 @@ class Optimizer(torch.optim.Optimizer):
     target_batch_size=4096, batch_size_per_step=32, optimizer=partial(torch.optim.Adam, lr=1e-3),
     params=model.parameters())`, then `loss.backward(); opt.step(); opt.zero_grad()` as usual.
 
-    See hivemind's documentation for every argument; the names and defaults are the same.
+    See hivemind's documentation for every argument; the names and defaults are the same. Plexus adds
+    `robust_aggregation`: a `RobustAggregation` (CenteredClip per part, verified reducers) for the
+    gradient and state rounds; every peer of a run must pass equal options (default None: plain means).
     """
 
     def __init__(self, *, dht: DHT, run_id: str, target_batch_size: int, batch_size_per_step: int | None = None,
@@ -94,7 +106,8 @@ class Optimizer(torch.optim.Optimizer):
                  load_state_compression: CompressionBase = NoCompression(),
                  average_opt_statistics: Sequence[str] = (), extra_tensors: Sequence[torch.Tensor] = (),
                  averager_opts: dict | None = None, tracker_opts: dict | None = None,
-                 performance_ema_alpha: float = 0.1, shutdown_timeout: float = 5, verbose: bool = False):
+                 performance_ema_alpha: float = 0.1, shutdown_timeout: float = 5, verbose: bool = False,
+                 robust_aggregation: RobustAggregation | None = None):
         client_mode = dht.client_mode if client_mode is None else client_mode
         delay_optimizer_step = delay_grad_averaging if delay_optimizer_step is None else delay_optimizer_step
         if offload_optimizer is None:
@@ -112,6 +125,7 @@ class Optimizer(torch.optim.Optimizer):
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         averager_opts = dict(averager_opts or {})
         round_opts = dict(min_matchmaking_time=matchmaking_time, client_mode=client_mode, start=True,
+                          robust=robust_aggregation,
                           allreduce_timeout=averaging_timeout if allreduce_timeout is None else allreduce_timeout,
                           next_chunk_timeout=matchmaking_time if next_chunk_timeout is None else next_chunk_timeout,
                           **averager_opts)
@@ -135,10 +149,13 @@ class Optimizer(torch.optim.Optimizer):
             self.grad_averager = GradientAverager(
                 self.state_averager.main_parameters, dht=dht, prefix=f"{run_id}_grad_averager",
                 reuse_grad_buffers=reuse_grad_buffers, averaged_grads=averaged_grads, auxiliary=auxiliary,
-                compression=grad_compression, **round_opts)
+                compression=grad_compression, weight_limits=self._gradient_weight_limits, **round_opts)
+        # a peer's claim to be ahead of the swarm is checked against the state it serves (state_prefix)
         self.tracker = ProgressTracker(
             dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
-            status_loglevel=self.status_loglevel, **(tracker_opts or {}))
+            status_loglevel=self.status_loglevel,
+            **{"state_prefix": self.state_averager.prefix, **(tracker_opts or {})})
+        self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (weights: its samples)
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._scheduled_state: tuple[int, StepControl] | None = None  # local updates: (epoch, state round)
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
@@ -154,6 +171,8 @@ class Optimizer(torch.optim.Optimizer):
         """How many gradient rounds succeeded with this peer's contribution."""
         self.rounds_failed = 0
         """How many gradient rounds failed, so that this peer stepped on its own gradients."""
+        self.nonfinite_batches = 0
+        """How many local batches were dropped because their gradients held NaN or inf."""
         # torch's own set-up (hooks, profiling); the real groups and state belong to the wrapped optimizer
         super().__init__([{"params": []}], {})
         self.tracker.fetch_global_progress_now(timeout=averaging_timeout)
@@ -245,6 +264,10 @@ class Optimizer(torch.optim.Optimizer):
                 self._losses.append(float(loss))
         self._log_finished_state_rounds()
 
+        main_parameters = self.state_averager.main_parameters
+        if not self.auxiliary and grad_scaler is None and not all_finite(_grads(main_parameters)):
+            self._drop_nonfinite_batch()
+            return loss
         if self.auxiliary:
             self._follow_swarm_epoch()
         elif self._should_load_state_from_peers():
@@ -260,6 +283,7 @@ class Optimizer(torch.optim.Optimizer):
         elif not self.auxiliary:
             if grad_scaler is not None and not grad_scaler.are_grads_finite(self, use_cached=True):
                 logger.log(self.status_loglevel, "Non-finite gradients: this batch and the accumulated ones are dropped")
+                self.nonfinite_batches += 1
                 self.grad_averager.reset_accumulated_grads_()
                 self._report(0)
                 return loss
@@ -275,6 +299,37 @@ class Optimizer(torch.optim.Optimizer):
         if self.tracker.ready_to_update_epoch and self._still_ready_after_a_fresh_look():
             self._update_global_epoch(grad_scaler)
         return loss
+
+    def _drop_nonfinite_batch(self) -> None:
+        """This batch's gradients hold NaN or inf: it is not accumulated (with reuse_grad_buffers the
+        .grad buffers summed it into the earlier batches, so those go too), and nobody sees it."""
+        self.nonfinite_batches += 1
+        lost = "this batch"
+        if self.use_gradient_averaging and self.reuse_grad_buffers:
+            samples = self.grad_averager.local_samples_accumulated
+            lost = f"this batch and the {samples} samples accumulated in .grad"
+            self.grad_averager.reset_accumulated_grads_()
+            self._report(0)
+        else:
+            for param in self.state_averager.main_parameters:
+                param.grad = None  # a local optimizer step must not see them either
+        _dropped_batches.warning(("nonfinite gradients",), f"Non-finite local gradients (NaN or inf): {lost} "
+                                                           "dropped, nothing of it reaches the swarm")
+
+    def _gradient_weight_limits(self, peer_ids) -> dict[PeerID, float]:
+        """A member of this epoch's gradient round weighs at most twice the samples its progress
+        record extrapolates to now, but never less than two target batches: records lag by up to a
+        refresh period (and know no speed at first), and an honest member must never be cut down,
+        or the average would no longer be the mean over every sample. Members without a record of
+        that epoch are bounded only by the averager's max_weight_ratio."""
+        now, limits = get_dht_time(), {}
+        for peer in peer_ids:
+            record = self.tracker.peer_progress(peer.to_bytes())
+            if record is not None and record.epoch == self._gradient_epoch:
+                elapsed = max(0.0, now - record.time)
+                extrapolated = record.samples_accumulated + record.samples_per_second * elapsed
+                limits[peer] = 2 * max(extrapolated, self.target_batch_size)
+        return limits
 
     def _still_ready_after_a_fresh_look(self) -> bool:
         """Before stepping alone, look again: peers that started with us may have appeared since."""
@@ -345,7 +400,7 @@ class Optimizer(torch.optim.Optimizer):
         span is retried with whoever is left (every success is the same result for all members),
         and a round that finds nobody else looking one request_timeout after its scheduled time (a
         declaration may still be landing) ends then, rather than at its deadline."""
-        epoch = self.local_epoch
+        epoch = self._gradient_epoch = self.local_epoch
         control = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout,
                                                    gather=None if self.auxiliary else epoch,
                                                    expected_group_size=self._expected_group_size(),
@@ -625,6 +680,10 @@ class Optimizer(torch.optim.Optimizer):
 
 _BEHIND = object()  # _average_gradients: the group showed that this peer is behind the swarm
 POLL_INTERVAL = 0.1  # how often a peer waiting for its gradient round looks whether the swarm moved on
+
+
+def _grads(parameters) -> list[torch.Tensor]:
+    return [param.grad for param in parameters if param.grad is not None]
 
 
 def _idle(control) -> bool:

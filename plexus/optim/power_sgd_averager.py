@@ -28,8 +28,11 @@ Q is state: every peer starts from the same Q (seeded by the prefix and the tens
 shape), so even the first round is exact PowerSGD; after each round the Q phase leaves every member
 with the same new Q. Newcomers download Q with `load_state_from_peers`. A peer that failed a phase
 (a span it did not get back) keeps its old Q and local gradients for that round and raises; its
-next successful round re-synchronises Q. A peer with weight 0 (it contributes nothing) takes the
-averaged result but leaves its error buffer alone. Left out: hivemind's greedy merging of
+next successful round re-synchronises Q. One that failed phase P still takes part in phase Q, with
+weight 0, so that the others' round completes without it (a peer whose gradients hold NaN or inf
+is excluded by the reducers and must not take the group's round down with it). A peer with weight
+0 (it contributes nothing) takes the averaged result but leaves its error buffer alone. Left out:
+hivemind's greedy merging of
 adjacent small dimensions (we pick the most square split instead).
 """
 
@@ -46,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..averaging.allreduce import AllReduceRunner, AveragingMode
+from ..averaging.allreduce import AveragingMode
 from ..averaging.averager import _routers
 from ..averaging.load_balancing import load_balance_peers
 from ..compression import CompressionInfo, TensorRole
@@ -193,13 +196,19 @@ class PowerSGDGradientAverager(GradientAverager):
             return ms, [mt @ q for mt, q in zip(ms, qs)]
 
         ms, ps = await loop.run_in_executor(None, phase_p)
-        await self._run_phase(group, b"P", ps, modes, bandwidths, weight)
+        failed = None
+        try:
+            await self._run_phase(group, b"P", ps, modes, bandwidths, weight)
+        except PowerSGDPhaseError as error:  # still reduce our span of phase Q, or the others' round fails
+            failed, weight = error, 0.0
 
         def phase_q() -> list[torch.Tensor]:
             return [mt.T @ orthogonalize_(p) for mt, p in zip(ms, ps)]
 
         new_qs = await loop.run_in_executor(None, phase_q)
         await self._run_phase(group, b"Q", new_qs + plain, modes, bandwidths, weight)
+        if failed is not None:
+            raise failed
 
         if self.mode != AveragingMode.AUX:  # an auxiliary peer got no results: nothing to keep
             approximations = await loop.run_in_executor(None, lambda: [p @ q.T for p, q in zip(ps, new_qs)])
@@ -237,16 +246,17 @@ class PowerSGDGradientAverager(GradientAverager):
         sizes = load_balance_peers(sum(t.numel() for t in tensors), bandwidths, self.min_vector_size)
         infos = [CompressionInfo.from_tensor(t, key=f"{tag.decode()}{i}", role=TensorRole.GRADIENT)
                  for i, t in enumerate(tensors)]
-        runner = AllReduceRunner(
+        runner = self.allreduce_runner(
             self.dht.host, group.group_id + b"." + tag, tensors, group.peer_ids, sizes, modes, weight,
             self.compression, self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
-            tensor_infos=infos)
+            tensor_infos=infos, **self._member_checks(group.peer_ids))
         with _routers[self.dht.host].register(runner):
             async with asyncio.timeout(self.allreduce_timeout):
                 report = await runner.run()
-        if report.failed_spans:
-            failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total}: {f.reason})"
-                               for f in report.failed_spans)
+        if report.failed_spans or report.discarded_parts:
+            failed = ", ".join([f"{f.reducer.short()} ({f.parts_received}/{f.parts_total}: {f.reason})"
+                                for f in report.failed_spans] +
+                               [f"{peer.short()} (failed verification)" for peer in report.discarded_parts])
             raise PowerSGDPhaseError(f"PowerSGD phase {tag.decode()} in group {group.group_id.hex()[:8]} "
                                      f"kept local values for some spans ({failed}); the factors would "
                                      f"differ between peers")

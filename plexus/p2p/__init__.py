@@ -1,6 +1,9 @@
-"""The libp2p-compatible transport: identity, multiaddrs, Host (TCP + Noise + yamux), streams and RPC."""
+"""The libp2p-compatible transport: identity, multiaddrs, Host (TCP + Noise + yamux), streams, RPC,
+private swarms."""
 
 from . import rpc
+from .auth import (AccessToken, AuthorizationError, AuthorizerBase, SignedTokenAuthorizer, TokenAuthority,
+                   TokenAuthorizerBase)
 from .host import DialError, Host, HostOptions, PeerInfo
 from .identity import PeerID, PrivateKey, PublicKey, load_or_create_identity
 from .multiaddr import Multiaddr, MultiaddrError
@@ -8,7 +11,9 @@ from .rpc import RPCError
 from .stream import Stream, StreamClosedError, StreamError, StreamResetError
 
 __all__ = [
-    "DialError", "Host", "HostOptions", "Multiaddr", "MultiaddrError", "PeerID", "PeerInfo", "PrivateKey",
+    "AccessToken", "AuthorizationError", "AuthorizerBase", "SignedTokenAuthorizer", "TokenAuthority",
+    "TokenAuthorizerBase", "DialError", "Host", "HostOptions", "Multiaddr", "MultiaddrError", "PeerID",
+    "PeerInfo", "PrivateKey",
     "PublicKey", "RPCError", "Stream", "StreamClosedError", "StreamError", "StreamResetError",
     "load_or_create_identity", "rpc",
 ]

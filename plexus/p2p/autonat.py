@@ -1,9 +1,10 @@
 """AutoNAT over a Host: serve dial-back requests, and ask others whether we are reachable.
 
 `AutoNATService` answers `/libp2p/autonat/1.0.0` requests. It refuses relayed requests, dials only
-addresses on the requester's observed IP, runs at most `max_concurrent` dial-backs at once and one
-per peer per `peer_interval` seconds, and dials from a throwaway host (a fresh key, no listener), so
-an existing connection can never make a dial-back look successful.
+addresses that plexus/p2p/dial_rule.py allows (on the requester's observed IP, never ours or another
+peer's), runs at most `max_concurrent` dial-backs at once, one per peer per `peer_interval`
+seconds and one request stream per peer at a time, and dials from a throwaway host (a fresh key, no
+listener), so an existing connection can never make a dial-back look successful.
 
 `AutoNAT.probe()` asks connected peers (never over relays) to dial our candidate addresses and feeds
 their answers to a `ReachabilityTracker`; `mode` turns the verdict into "direct", "relay" or
@@ -14,9 +15,10 @@ import asyncio
 import time
 
 from ..utils.logging import get_logger
+from . import dial_rule
 from .host import Host
 from .identity import PeerID, PrivateKey
-from .multiaddr import Multiaddr, MultiaddrError, parse_host_port
+from .multiaddr import Multiaddr
 from .protocols import autonat as core
 from .protocols.autonat import DialResponse, Reachability, ReachabilityTracker, ResponseStatus
 from .protocols.errors import ProtocolError, RemoteProtocolError
@@ -37,7 +39,7 @@ class AutoNATService:
         self._last_request: dict[PeerID, float] = {}
 
     def start(self) -> "AutoNATService":
-        self.host.set_stream_handler(core.PROTOCOL, self._serve)
+        self.host.set_stream_handler(core.PROTOCOL, self._serve, max_per_peer=1)
         return self
 
     async def stop(self) -> None:
@@ -66,17 +68,17 @@ class AutoNATService:
             return DialResponse(ResponseStatus.E_BAD_REQUEST, "the request names another peer than the sender")
         if getattr(connection, "relayed", False):
             return DialResponse(ResponseStatus.E_DIAL_REFUSED, "requests over relayed connections are refused")
-        observed = None
-        if connection.remote_addr is not None:
-            try:
-                observed = parse_host_port(connection.remote_addr)[0]
-            except MultiaddrError:
-                pass
-        addrs = core.dialable_addrs(request.addrs, observed)
+        addrs, refused = dial_rule.dialable(self.host, peer, request.addrs)
         if not addrs:
-            return DialResponse(ResponseStatus.E_DIAL_REFUSED, f"no address on the IP we see you at ({observed})")
+            self.host.refused(("autonat addresses", peer), f"AutoNAT: not dialing {peer} back: "
+                                                           f"{'; '.join(refused) or 'it named no address'}")
+            text = "no address we may dial you at (we dial only your observed IP): " + "; ".join(refused)
+            return DialResponse(ResponseStatus.E_DIAL_REFUSED, text[:500])
         now = time.monotonic()
         if self._busy >= self.max_concurrent or now - self._last_request.get(peer, -1e9) < self.peer_interval:
+            self.host.refused(("autonat rate", peer), f"AutoNAT: refused a dial-back to {peer}: it asked "
+                                                      f"again within {self.peer_interval} s, or {self._busy} "
+                                                      f"are under way")
             return DialResponse(ResponseStatus.E_DIAL_REFUSED, "too many requests; try again later")
         self._last_request[peer] = now
         if len(self._last_request) > 1024:
@@ -88,7 +90,8 @@ class AutoNATService:
             self._busy -= 1
 
     async def _dial_back(self, peer: PeerID, addrs: list[Multiaddr]) -> DialResponse:
-        prober = await Host(PrivateKey.generate(), host_maddrs=(), dial_timeout=self.dial_timeout).start()
+        prober = await Host(PrivateKey.generate(), host_maddrs=(), dial_timeout=self.dial_timeout,
+                            swarm_key=self.host.options.swarm_key).start()
         try:
             for addr in addrs:
                 try:

@@ -371,6 +371,17 @@ class Connection(asyncio.BufferedProtocol):
 
     # --- used by streams and the host -----------------------------------------------------------
 
+    def has_outbound_streams(self) -> bool:
+        """Whether a stream we opened is still open: we wait on the peer (yamux: the client opens odd ids)."""
+        ours = 1 if self.initiator else 0
+        return any(stream_id % 2 == ours for stream_id in self.streams)
+
+    def keepalive(self) -> None:
+        """Ping the peer (a yamux ping), so that both sides see traffic on a connection we still need."""
+        if self.phase is Phase.MUXED:
+            self._yamux.ping(int(time.monotonic() * 1000) & 0xFFFFFFFF, now=time.monotonic())
+            self._flush_soon()
+
     def open_stream(self) -> Stream:
         if self.phase is not Phase.MUXED:
             raise ConnectionClosedError(f"connection to {self.remote_peer} is {self.phase.value}")

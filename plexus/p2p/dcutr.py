@@ -14,6 +14,11 @@ The exchange's initiator is the Noise initiator on the punched connection, the o
 responder (both sides called connect(), so the roles must be agreed). A punched connection is added
 to the host, which prefers it to the relayed one from then on. Outcomes are kept in `outcomes`
 (peer -> text) for `plexus doctor` and tests.
+
+Whatever addresses a peer names (in its CONNECT, or in identify for the unilateral dial), we dial
+only those plexus/p2p/dial_rule.py allows: on an IP the relay saw the peer connect from, never ours
+or another peer's. The exchange runs only over relayed connections, one stream per peer at a time,
+each message within EXCHANGE_TIMEOUT, at most MAX_ATTEMPTS rounds.
 """
 
 import asyncio
@@ -21,6 +26,7 @@ import socket
 import time
 
 from ..utils.logging import get_logger
+from . import dial_rule
 from .connection import Connection
 from .host import Host
 from .identity import PeerID
@@ -45,7 +51,7 @@ class HolePuncher:
         self._tasks: set[asyncio.Task] = set()
 
     def start(self) -> "HolePuncher":
-        self.host.set_stream_handler(core.PROTOCOL, self._serve)
+        self.host.set_stream_handler(core.PROTOCOL, self._serve, max_per_peer=1)
         if not self.host.options.reuse_port and self.host.get_listen_maddrs():
             logger.debug("the host's listeners do not share their ports (HostOptions.reuse_port): "
                          "hole punching will dial from other ports")
@@ -160,6 +166,11 @@ class HolePuncher:
 
     async def _serve(self, stream: Stream) -> None:
         peer = stream.remote_peer
+        if not getattr(stream.connection, "relayed", False):
+            self.host.refused(("dcutr direct", peer), f"refused hole punching with {peer} over a direct "
+                                                      f"connection")
+            stream.reset()
+            return
         punch = core.HolePunch(False, self.our_addrs())
         try:
             while True:
@@ -183,12 +194,11 @@ class HolePuncher:
     # --- the simultaneous dial --------------------------------------------------------------------
 
     async def _dial(self, peer: PeerID, raw_addrs, *, noise_initiator: bool) -> Connection | None:
-        targets = []
-        for raw in raw_addrs:
-            try:
-                targets.append(parse_host_port(Multiaddr.from_bytes(raw)))
-            except MultiaddrError:
-                continue
+        allowed, refused = dial_rule.dialable(self.host, peer, raw_addrs)
+        if refused:
+            self.host.refused(("dcutr addresses", peer), f"hole punching with {peer}: not dialing "
+                                                         f"{'; '.join(refused)}")
+        targets = [parse_host_port(addr) for addr in allowed]
         if not targets:
             return None
         attempts = [asyncio.ensure_future(self._dial_one(peer, target, noise_initiator)) for target in targets]
@@ -220,7 +230,7 @@ class HolePuncher:
             async with asyncio.timeout(self.dial_timeout):
                 await loop.sock_connect(sock, (host, port))
                 connection = self.host.make_connection(initiator=noise_initiator, expected_peer=peer)
-                await loop.create_connection(lambda: connection, sock=sock)
+                await loop.create_connection(lambda: self.host.protect(connection), sock=sock)
                 await connection.upgrade()
         except (OSError, TimeoutError, ProtocolError, ConnectionError) as error:
             logger.debug(f"hole-punching dial to {host}:{port} failed: {error!r}")

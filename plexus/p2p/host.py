@@ -4,74 +4,55 @@ A Host owns TCP listeners, the live Connections (by peer), a small peer store (a
 from dials and identify), and the stream handlers by protocol id. Every inbound stream is
 negotiated with multistream-select under a deadline and then handed to its handler in its own
 task; a handler that raises resets that stream and is logged, nothing more. Identify
-(`/ipfs/id/1.0.0`) runs on every new connection and ping (`/ipfs/ping/1.0.0`) is always served.
+(`/ipfs/id/1.0.0`, plexus/p2p/identify.py) runs on every new connection and ping
+(`/ipfs/ping/1.0.0`, plexus/p2p/ping.py) is always served.
+
+Bounds (every one a `HostOptions` field; plexus/p2p/limits.py keeps the counts). Inbound
+connections are counted from the accepted socket on, in total, while handshaking, per IP and per
+subnet, and rate-limited per IP; connections per peer once the handshake names it. Inbound streams
+are counted per peer and, for protocols registered with `max_per_peer`, per peer and protocol. A
+new inbound stream must pick its protocol within `negotiate_timeout` and send its first bytes
+within `request_timeout` after that, or it is reset. With an `authorizer`, streams from a peer that
+has shown no valid access token are refused (plexus/p2p/auth.py). A connection on which nothing
+arrived for `idle_timeout` is closed whatever streams are open on it; while a stream we opened is
+waiting, we ping the peer so that neither side takes the connection for idle. Each refusal is
+logged once per peer and minute (`refused`).
 
 The host never blocks: all of it runs on the caller's event loop, and `shutdown()` closes the
 listeners, the connections and every task it started.
 """
 
 import asyncio
-import os
 import socket
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..version import __version__
-from ..utils.logging import get_logger
-from .connection import Connection, ConnectionClosedError, host_decrypt_buffers
+from ..utils.logging import RateLimitedLog, get_logger
+from .auth import AUTH_PROTOCOL, AuthGate, AuthorizerBase
+from .connection import Connection, host_decrypt_buffers
+from .host_options import HostOptions
+from .identify import AGENT_VERSION, IdentifyService, describe
 from .identity import PeerID, PrivateKey
+from .limits import Counter, InboundConnections, InboundTicket
 from .multiaddr import Multiaddr, MultiaddrError, from_socket_address, parse_host_port
-from .protocols import identify, noise
+from .ping import PING_PROTOCOL, PING_SIZE, PingService
+from .pnet import PrivateNetworkLayer
+from .protocols import noise
 from .protocols.errors import ProtocolError
 from .protocols.multistream import MultistreamDialer, MultistreamListener
-from .stream import Stream, StreamError, read_delimited, write_delimited
+from .stream import Stream, StreamError
 
 logger = get_logger(__name__)
 
-PING_PROTOCOL = "/ipfs/ping/1.0.0"
-PING_SIZE = 32
 MAX_KNOWN_PEERS = 10_000
 MAX_ADDRS_PER_PEER = 16
-AGENT_VERSION = f"plexus/{__version__}"
+__all__ = ["AGENT_VERSION", "PING_PROTOCOL", "PING_SIZE", "DialError", "Host", "HostOptions", "PeerInfo"]
 
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
 
 class DialError(ConnectionError):
     """Could not reach a peer; the message lists each address tried and why it failed."""
-
-
-@dataclass
-class HostOptions:
-    """Knobs of the host. Times are seconds."""
-
-    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    """Addresses to listen on (port 0: the OS picks one). Empty for a dial-only (client) host."""
-    announce_maddrs: tuple[str, ...] = ()
-    """Addresses to advertise instead of the listening ones (e.g. a public IP behind port forwarding)."""
-    dial_timeout: float = 10.0
-    """Deadline for TCP connect plus the Noise and yamux upgrade."""
-    negotiate_timeout: float = 10.0
-    """Deadline for the peer to pick a protocol on a new inbound stream."""
-    idle_timeout: float = 120.0
-    """Close connections that have had no stream for this long."""
-    max_connections: int = 1024
-    """Inbound connections past this are refused."""
-    max_streams_per_connection: int = 512
-    """Concurrent yamux streams per connection."""
-    reuse_port: bool = False
-    """Let outgoing sockets bind our listening ports (SO_REUSEPORT, set once each listener is bound, so a
-    second listener on the same port still fails): hole punching (plexus/p2p/dcutr.py) dials from them."""
-    noise_ciphers: tuple[str, ...] = tuple(noise.SUITES)
-    """Noise cipher functions to offer, most preferred first. ChaChaPoly is libp2p's "/noise", which every
-    libp2p peer speaks; AESGCM, which Plexus peers also speak, is 2-3x faster on CPUs with AES instructions."""
-
-    def __post_init__(self):
-        unknown = [name for name in self.noise_ciphers if name not in noise.SUITES]
-        if unknown or not self.noise_ciphers:
-            raise ValueError(f"noise_ciphers must name one or more of {sorted(noise.SUITES)}, "
-                             f"got {list(self.noise_ciphers)}")
 
 
 @dataclass
@@ -88,21 +69,34 @@ class PeerInfo:
 class Host:
     """A libp2p peer speaking TCP + Noise + yamux, with identify and ping."""
 
-    def __init__(self, private_key: PrivateKey | None = None, options: HostOptions | None = None, **kwargs):
+    def __init__(self, private_key: PrivateKey | None = None, options: HostOptions | None = None, *,
+                 authorizer: AuthorizerBase | None = None, **kwargs):
+        """
+        Args:
+            options: the host's bounds and settings (or pass HostOptions' fields as keyword arguments).
+            authorizer: admit only peers it accepts, on every protocol (a private swarm, plexus/p2p/auth.py).
+        """
         self.private_key = private_key or PrivateKey.generate()
         self.peer_id = self.private_key.peer_id
         self.options = options or HostOptions(**kwargs)
         self._handlers: dict[str, StreamHandler] = {}
+        self._max_per_peer: dict[str, int] = {}  # protocol -> inbound streams one peer may hold on it
         self._connections: dict[PeerID, list[Connection]] = {}
         self._decrypt_buffers = host_decrypt_buffers()
         self._pending_dials: dict[PeerID, asyncio.Task] = {}
         self._peers: dict[PeerID, PeerInfo] = {}
         self._servers: list[asyncio.AbstractServer] = []
         self._listen_addrs: list[Multiaddr] = []
-        self._observed_addrs: dict[Multiaddr, int] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._identified: dict[PeerID, asyncio.Event] = {}
         self._running = False
+        options = self.options
+        self._inbound = InboundConnections(
+            max_total=options.max_connections, max_pending=options.max_pending_connections,
+            per_ip=options.max_connections_per_ip, per_subnet=options.max_connections_per_subnet,
+            rate_per_ip=options.max_connection_rate_per_ip, exempt_networks=options.limit_exempt_networks)
+        self._tickets: dict[Connection, InboundTicket] = {}
+        self._inbound_streams = Counter()  # by peer, and by (peer, protocol)
+        self._refusals = RateLimitedLog(logger)
         self._routing: set[PeerID] = set()  # peers whose addresses the peer router is looking up
         self.peer_router: Callable[[PeerID], Awaitable[None]] | None = None
         """Called to find addresses of a peer we must dial but know no address of (set by the DHT)."""
@@ -111,9 +105,9 @@ class Host:
         """Dials a /p2p-circuit address and returns the relayed Connection (set by RelayClient)."""
         self.address_sources: list[Callable[[], Iterable[Multiaddr]]] = []
         """Extra addresses to advertise, e.g. /p2p/<relay>/p2p-circuit ones (added to visible addrs)."""
-        self.set_stream_handler(identify.IDENTIFY_PROTOCOL, self._serve_identify)
-        self.set_stream_handler(identify.IDENTIFY_PUSH_PROTOCOL, self._serve_identify_push)
-        self.set_stream_handler(PING_PROTOCOL, self._serve_ping)
+        self.identify_service = IdentifyService(self)
+        self.ping_service = PingService(self)
+        self.auth_gate = AuthGate(self, authorizer, self.options.negotiate_timeout) if authorizer else None
 
     # --- life cycle --------------------------------------------------------------------------------
 
@@ -133,6 +127,8 @@ class Host:
                 self._listen_addrs.append(from_socket_address(address[0], address[1]))
         self._running = True
         self._spawn(self._close_idle_connections())
+        if self.auth_gate is not None:
+            self.auth_gate.start()
         logger.debug(f"host {self.peer_id} listening on {[str(a) for a in self._listen_addrs]}")
         return self
 
@@ -186,18 +182,23 @@ class Host:
                 else:
                     addrs.append(addr)
             if include_observed:
-                addrs.extend(addr for addr in self._observed_addrs if addr not in addrs)
+                addrs.extend(addr for addr in self.identify_service.observed_addrs if addr not in addrs)
         for source in self.address_sources:  # relay addresses (plexus/p2p/relay.py)
             addrs.extend(source())
         return [addr.with_peer_id(self.peer_id) for addr in dict.fromkeys(addrs)]
 
-    def add_addrs(self, peer_id: PeerID, addrs: Iterable[Multiaddr]) -> None:
-        """Remember where a peer can be dialed (newest first; bounded per peer and in peers)."""
+    def peer_store_entry(self, peer_id: PeerID) -> PeerInfo:
+        """What we know of a peer, made empty if we knew nothing (the store is bounded in peers)."""
         info = self._peers.get(peer_id)
         if info is None:
             if len(self._peers) >= MAX_KNOWN_PEERS:
                 self._forget_a_disconnected_peer()
             info = self._peers[peer_id] = PeerInfo(peer_id)
+        return info
+
+    def add_addrs(self, peer_id: PeerID, addrs: Iterable[Multiaddr]) -> None:
+        """Remember where a peer can be dialed (newest first; bounded per peer and in peers)."""
+        info = self.peer_store_entry(peer_id)
         for addr in addrs:
             addr = addr.without_peer_id()
             if addr in info.addrs:
@@ -209,7 +210,7 @@ class Host:
         for peer_id in self._peers:  # oldest first
             if peer_id not in self._connections:
                 del self._peers[peer_id]
-                self._identified.pop(peer_id, None)
+                self.identify_service.forget(peer_id)
                 return
 
     def peer_info(self, peer_id: PeerID) -> PeerInfo | None:
@@ -217,15 +218,28 @@ class Host:
 
     # --- connections --------------------------------------------------------------------------------
 
-    def _accept(self) -> Connection:
+    def _accept(self) -> "_Gate":
+        return _Gate(self)
+
+    def _admit(self, transport: asyncio.Transport) -> None:
+        """An accepted socket: refuse it at once if its source is past a bound, else start its upgrade."""
+        peername = transport.get_extra_info("peername")
+        ip = peername[0] if peername else None
+        ticket, refusal = self._inbound.admit(ip, asyncio.get_running_loop().time()) if self._running else \
+            (None, "the host is shutting down")
+        if ticket is None:
+            self.refused(("inbound connection", ip), f"refused an inbound connection from {ip}: {refusal}")
+            transport.abort()
+            return
         connection = self.make_connection(initiator=False)
-        if not self._running or sum(map(len, self._connections.values())) >= self.options.max_connections:
-            connection.abort("connection limit reached")
-            return connection
+        self._tickets[connection] = ticket  # given back when the connection closes (_on_close)
+        protocol = self.protect(connection)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
         self._spawn(self._upgrade_inbound(connection))
-        return connection
 
     async def _upgrade_inbound(self, connection: Connection) -> None:
+        ticket = self._tickets[connection]
         try:
             async with asyncio.timeout(self.options.dial_timeout):
                 await connection.upgrade()
@@ -233,15 +247,30 @@ class Host:
             logger.debug(f"inbound connection from {connection.remote_addr} failed its upgrade: {error!r}")
             connection.abort(f"upgrade failed: {error!r}")
             return
+        self._inbound.upgraded(ticket)
         self._register(connection)
 
     def _register(self, connection: Connection) -> None:
+        peer, limit = connection.remote_peer, self.options.max_connections_per_peer
+        if connection.is_closed:
+            return
+        if not connection.initiator and len(self._connections.get(peer, ())) >= limit:
+            self.refused(("connections per peer", peer), f"closed a new connection from {peer} at "
+                                                          f"{connection.remote_addr}: it already has {limit} "
+                                                          f"(max_connections_per_peer)")
+            connection.abort("too many connections from this peer")
+            return
         self._connections.setdefault(connection.remote_peer, []).append(connection)
         if connection.initiator:
             self.add_addrs(connection.remote_peer, [connection.remote_addr])
-        self._spawn(self._identify(connection))
+        if self.auth_gate is not None:
+            self.auth_gate.connection_opened(connection)
+        self._spawn(self.identify_service.run(connection))
 
     def _on_close(self, connection: Connection) -> None:
+        ticket = self._tickets.pop(connection, None)
+        if ticket is not None:
+            self._inbound.release(ticket)
         connections = self._connections.get(connection.remote_peer, [])
         if connection in connections:
             connections.remove(connection)
@@ -268,9 +297,20 @@ class Host:
                           noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers),
                           decrypt_buffers=self._decrypt_buffers)
 
+    def protect(self, connection: Connection) -> asyncio.BufferedProtocol:
+        """What a transport must drive for `connection`: the connection itself, or in a private network
+        (`swarm_key`) the layer that encrypts every byte with the key (plexus/p2p/pnet.py)."""
+        if self.options.swarm_key is None:
+            return connection
+        return PrivateNetworkLayer(self.options.swarm_key, connection)
+
     def add_connection(self, connection: Connection) -> None:
         """Adopt an upgraded Connection made by another transport (identify runs on it)."""
         self._register(connection)
+
+    def connections_to(self, peer_id: PeerID) -> list[Connection]:
+        """Every live connection to the peer (direct and relayed)."""
+        return [connection for connection in self._connections.get(peer_id, ()) if not connection.is_closed]
 
     def connected_peers(self) -> list[PeerID]:
         return [peer for peer, connections in self._connections.items() if connections]
@@ -327,7 +367,7 @@ class Host:
             try:
                 return await self._dial_addr(peer_id, addr)
             except (OSError, TimeoutError, ProtocolError, MultiaddrError, ConnectionError) as error:
-                failures.append(f"{addr}: {_describe(error)}")
+                failures.append(f"{addr}: {describe(error)}")
         raise DialError(f"could not connect to {peer_id} (tried {'; '.join(failures)})")
 
     async def _dial_addr(self, peer_id: PeerID, addr: Multiaddr) -> Connection:
@@ -340,7 +380,7 @@ class Host:
         connection = self.make_connection(initiator=True, expected_peer=peer_id)
         try:
             async with asyncio.timeout(self.options.dial_timeout):
-                await loop.create_connection(lambda: connection, host, port)
+                await loop.create_connection(lambda: self.protect(connection), host, port)
                 await connection.upgrade()
         except BaseException as error:
             connection.abort(f"dial failed: {error!r}")
@@ -353,22 +393,42 @@ class Host:
             await connection.close()
 
     async def _close_idle_connections(self) -> None:
-        period = max(self.options.idle_timeout / 4, 0.05)
+        """Close connections on which nothing arrived for idle_timeout, open streams or not; ping the
+        peer on those where a stream of ours waits, so that neither side closes them meanwhile."""
+        idle_timeout = self.options.idle_timeout
+        period = max(idle_timeout / 4, 0.05)
         while True:
             await asyncio.sleep(period)  # a periodic sweep, not synchronisation
             now = asyncio.get_running_loop().time()
             for connections in list(self._connections.values()):
                 for connection in list(connections):
-                    if not connection.streams and now - connection.last_activity > self.options.idle_timeout:
+                    quiet = now - connection.last_activity
+                    if quiet > idle_timeout:
+                        logger.debug(f"closing {connection}: nothing arrived for {quiet:.1f} s "
+                                     f"(idle_timeout)")
                         await connection.close()
+                    elif quiet > idle_timeout / 2 and connection.has_outbound_streams():
+                        connection.keepalive()
 
     # --- streams ------------------------------------------------------------------------------------
 
-    def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
+    def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
+                           max_per_peer: int | None = None) -> None:
+        """Serve `protocol` with `handler(stream)`; with `max_per_peer`, at most that many of one peer's
+        streams on it at once (more are reset). Every protocol shares `max_inbound_streams_per_peer`."""
         self._handlers[protocol] = handler
+        if max_per_peer is None:
+            self._max_per_peer.pop(protocol, None)
+        else:
+            self._max_per_peer[protocol] = max_per_peer
 
     def remove_stream_handler(self, protocol: str) -> None:
         self._handlers.pop(protocol, None)
+        self._max_per_peer.pop(protocol, None)
+
+    def refused(self, key: tuple, message: str) -> None:
+        """Log a refusal or a limit hit, once a minute per `key` (its first item names the kind)."""
+        self._refusals.warning(key, message)
 
     @property
     def protocols(self) -> list[str]:
@@ -386,6 +446,8 @@ class Host:
             protocols = [protocols]
         async with asyncio.timeout(timeout):
             connection = await self.connect(peer)
+            if self.auth_gate is not None:
+                await self.auth_gate.check_outbound(connection)
             stream = connection.open_stream()
             dialer = MultistreamDialer(protocols)
             try:
@@ -412,6 +474,38 @@ class Host:
         self._spawn(self._serve_stream(stream))
 
     async def _serve_stream(self, stream: Stream) -> None:
+        peer, options = stream.remote_peer, self.options
+        if not self._inbound_streams.acquire(peer, options.max_inbound_streams_per_peer):
+            self.refused(("streams per peer", peer), f"reset a new stream from {peer}: it holds "
+                                                      f"{options.max_inbound_streams_per_peer} "
+                                                      f"(max_inbound_streams_per_peer)")
+            stream.reset()
+            return
+        try:
+            protocol = await self._negotiate_inbound(stream)
+            if protocol is None:
+                return
+            if self.auth_gate is not None and protocol != AUTH_PROTOCOL:
+                refusal = await self.auth_gate.admit(stream)
+                if refusal is not None:
+                    self.refused(("unauthorized stream", peer),
+                                 f"refused a {protocol} stream from {peer}: {refusal}")
+                    stream.reset()
+                    return
+            if not self._inbound_streams.acquire((peer, protocol), self._max_per_peer.get(protocol)):
+                self.refused(("streams per protocol", peer, protocol),
+                             f"reset a new {protocol} stream from {peer}: it holds "
+                             f"{self._max_per_peer[protocol]} on this protocol already")
+                stream.reset()
+                return
+            try:
+                await self._run_handler(stream)
+            finally:
+                self._inbound_streams.release((peer, protocol))
+        finally:
+            self._inbound_streams.release(peer)
+
+    async def _negotiate_inbound(self, stream: Stream) -> str | None:
         listener = MultistreamListener(lambda protocol: protocol in self._handlers)
         try:
             async with asyncio.timeout(self.options.negotiate_timeout):
@@ -419,141 +513,90 @@ class Host:
                 while listener.selected is None:
                     data = await stream.read(1024)
                     if not data:
-                        return
+                        return None
                     listener.receive_data(data)
                     if out := listener.data_to_send():
                         await stream.write(out)
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError) as error:
-            logger.debug(f"inbound stream from {stream.remote_peer} failed negotiation: {_describe(error)}")
+        except TimeoutError:
+            self.refused(("negotiation timeout", stream.remote_peer),
+                         f"reset a stream from {stream.remote_peer}: no protocol picked within "
+                         f"{self.options.negotiate_timeout} s (negotiate_timeout)")
             stream.reset()
-            return
+            return None
+        except (ProtocolError, StreamError, ConnectionError) as error:
+            logger.debug(f"inbound stream from {stream.remote_peer} failed negotiation: {describe(error)}")
+            stream.reset()
+            return None
         stream.protocol = listener.selected
         stream._unread(listener.unused_data)
-        handler = self._handlers.get(stream.protocol)
+        return stream.protocol
+
+    async def _run_handler(self, stream: Stream) -> None:
+        """Run the protocol's handler; reset the stream if its first bytes do not come in time."""
+        watchdog = None
+        if not listener_left_data(stream):
+            received = stream.bytes_received
+            watchdog = asyncio.get_running_loop().call_later(
+                self.options.request_timeout, self._check_first_bytes, stream, received)
         try:
-            await handler(stream)
+            await self._handlers[stream.protocol](stream)
         except (StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
-            logger.debug(f"{stream.protocol} stream from {stream.remote_peer} broke: {_describe(error)}")
+            logger.debug(f"{stream.protocol} stream from {stream.remote_peer} broke: {describe(error)}")
             stream.reset()
         except Exception as error:  # a handler's bug must not take the host down
             logger.warning(f"handler for {stream.protocol} raised {error!r}", exc_info=True)
             stream.reset()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
 
-    # --- identify and ping --------------------------------------------------------------------------
+    def _check_first_bytes(self, stream: Stream, received_at_negotiation: int) -> None:
+        if stream.bytes_received == received_at_negotiation and not stream.is_reset:
+            self.refused(("silent stream", stream.remote_peer),
+                         f"reset a {stream.protocol} stream from {stream.remote_peer}: it sent nothing "
+                         f"within {self.options.request_timeout} s of opening (request_timeout)")
+            stream.reset()
 
-    async def _serve_identify(self, stream: Stream) -> None:
-        connection = stream.connection
-        message = identify.encode_identify({
-            "public_key": self.private_key.public_key.to_protobuf(),
-            "listen_addrs": [addr.without_peer_id().to_bytes() for addr in self.get_visible_maddrs()],
-            "protocols": self.protocols,
-            "observed_addr": connection.remote_addr.to_bytes() if connection.remote_addr else None,
-            "protocol_version": identify.PROTOCOL_VERSION,
-            "agent_version": AGENT_VERSION,
-        })
-        await write_delimited(stream, message)
-        await stream.close()
+    # --- identify and ping (plexus/p2p/identify.py, plexus/p2p/ping.py) -----------------------------
 
     async def push_identify(self, timeout: float = 5.0) -> None:
         """Send our identify to every connected peer (`/ipfs/id/push/1.0.0`), e.g. once a relay
         reservation gave us new circuit addresses (called by plexus/p2p/relay.py)."""
-        async def push(peer: PeerID) -> None:
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._serve_identify(await self.new_stream(peer, identify.IDENTIFY_PUSH_PROTOCOL))
-            except (TimeoutError, ProtocolError, StreamError, ConnectionError) as error:
-                logger.debug(f"identify push to {peer} failed: {_describe(error)}")
-
-        await asyncio.gather(*(push(peer) for peer in self.connected_peers()))
-
-    async def _serve_identify_push(self, stream: Stream) -> None:
-        data = await read_delimited(stream, identify.MAX_IDENTIFY_SIZE)
-        if data is not None:
-            self._apply_identify(stream.remote_peer, identify.decode_identify(data), stream.connection)
-
-    async def _identify(self, connection: Connection) -> None:
-        peer = connection.remote_peer
-        event = self._identified.setdefault(peer, asyncio.Event())
-        try:
-            stream = connection.open_stream()
-            dialer = MultistreamDialer([identify.IDENTIFY_PROTOCOL])
-            await stream.write(dialer.data_to_send())
-            stream._negotiation = dialer
-            async with asyncio.timeout(self.options.negotiate_timeout):
-                data = await read_delimited(stream, identify.MAX_IDENTIFY_SIZE)
-            await stream.close()
-            if data is not None:
-                self._apply_identify(peer, identify.decode_identify(data), connection)
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
-            logger.debug(f"identify with {peer} failed: {_describe(error)}")
-        finally:
-            event.set()
-
-    def _apply_identify(self, peer: PeerID, fields: dict, connection: Connection) -> None:
-        info = self._peers.setdefault(peer, PeerInfo(peer))
-        addrs = []
-        for raw in fields.get("listen_addrs", []):
-            try:
-                addrs.append(Multiaddr.from_bytes(raw))
-            except MultiaddrError:
-                continue
-        self.add_addrs(peer, [addr for addr in addrs if not _is_unspecified(addr)])
-        info.protocols = list(fields.get("protocols", []))
-        info.agent_version = fields.get("agent_version")
-        if observed := fields.get("observed_addr"):
-            try:
-                info.observed_addr = Multiaddr.from_bytes(observed)
-                self._observed_addrs[info.observed_addr] = self._observed_addrs.get(info.observed_addr, 0) + 1
-            except MultiaddrError:
-                pass
+        await self.identify_service.push(timeout)
 
     async def identify(self, peer: PeerID, timeout: float | None = None) -> PeerInfo:
         """Wait for the identify exchange with a connected peer and return what it told us."""
         await self.connect(peer, timeout=timeout)
         async with asyncio.timeout(timeout):
-            await self._identified.setdefault(peer, asyncio.Event()).wait()
+            await self.identify_service.wait(peer)
         return self._peers[peer]
-
-    async def _serve_ping(self, stream: Stream) -> None:
-        while True:
-            try:
-                payload = await stream.readexactly(PING_SIZE)
-            except asyncio.IncompleteReadError:
-                break
-            await stream.write(payload)
-        await stream.close()
 
     async def ping(self, peer: PeerID | Multiaddr | str, timeout: float | None = 10.0) -> float:
         """Round-trip time to the peer in seconds, over `/ipfs/ping/1.0.0`."""
-        async with asyncio.timeout(timeout):
-            stream = await self.new_stream(peer, PING_PROTOCOL)
-            payload = os.urandom(PING_SIZE)
-            started = time.perf_counter()
-            await stream.write(payload)
-            echo = await stream.readexactly(PING_SIZE)
-            rtt = time.perf_counter() - started
-            await stream.close()
-        if echo != payload:
-            raise ProtocolError(f"{peer} answered our ping with different bytes")
-        return rtt
+        return await self.ping_service.ping(peer, timeout)
 
     def __repr__(self) -> str:
         return f"<Host {self.peer_id} listening={[str(a) for a in self._listen_addrs]}>"
 
 
-def _describe(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    if isinstance(error, ConnectionRefusedError):
-        return "connection refused"
-    return str(error) or type(error).__name__
+class _Gate(asyncio.Protocol):
+    """The first protocol of an accepted socket. It asks the host to admit the socket before any
+    connection state exists (a refusal costs an accept and a close), and the host hands the socket
+    over to a new Connection."""
+
+    def __init__(self, host: Host):
+        self.host = host
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.host._admit(transport)
+
+    def data_received(self, data: bytes) -> None:  # the socket was refused: whatever comes is dropped
+        pass
 
 
-def _is_unspecified(addr: Multiaddr) -> bool:
-    try:
-        return parse_host_port(addr)[0] in ("0.0.0.0", "::")
-    except MultiaddrError:
-        return False
+def listener_left_data(stream: Stream) -> bool:
+    """Whether bytes past the protocol proposal are already buffered (a lazy proposal brings the request)."""
+    return bool(stream._peek(1))
 
 
 def _share_port(sock: socket.socket) -> None:

@@ -12,8 +12,9 @@ addresses through `host.address_sources`, and serves stop streams: each accepted
 `Connection` driven through `StreamTransport`, upgraded with Noise *inside* the circuit, so the
 peer at the other end is authenticated by its own key, whatever the relay claims.
 
-Relayed connections are marked `connection.relayed = True` (the host prefers direct ones) and carry
-the relay's `Limit` as `connection.relay_limit`.
+Relayed connections are marked `connection.relayed = True` (the host prefers direct ones), carry
+the relay's `Limit` as `connection.relay_limit`, and the addresses the relay saw the other peer
+connect from as `connection.relay_observed_addrs` (empty when the relay did not say).
 """
 
 import asyncio
@@ -69,6 +70,11 @@ async def read_message(stream: Stream, max_size: int = core.MAX_MESSAGE_SIZE) ->
     return await stream.readexactly(length) if length else b""
 
 
+def _observed(connection: Connection) -> tuple[bytes, ...]:
+    """Where a direct connection comes from, as the relay tells the other end of a circuit."""
+    return (connection.remote_addr.to_bytes(),) if connection.remote_addr is not None else ()
+
+
 def _ip_of(connection: Connection) -> str | None:
     try:
         return parse_host_port(connection.remote_addr)[0] if connection.remote_addr else None
@@ -104,7 +110,9 @@ class RelayService:
         self._pipes: set[asyncio.Task] = set()
 
     def start(self) -> "RelayService":
-        self.host.set_stream_handler(core.HOP_PROTOCOL, self._serve_hop)
+        # a peer's hop streams: one per circuit it has open (the circuit runs on it), a reservation, a spare
+        self.host.set_stream_handler(core.HOP_PROTOCOL, self._serve_hop,
+                                     max_per_peer=self.limits.max_circuits_per_peer + 2)
         return self
 
     async def stop(self) -> None:
@@ -177,12 +185,13 @@ class RelayService:
             logger.debug(f"relay: refused a circuit {source} -> {target}: {status.name}")
             return await self._refuse(hop, status)
         try:
-            stop = await self._open_stop(source, target)
+            stop = await self._open_stop(source, target, _observed(hop.connection))
             if stop is None:
                 return await self._refuse(hop, Status.CONNECTION_FAILED)
             try:
                 async with asyncio.timeout(MESSAGE_TIMEOUT):
-                    await self._answer(hop, Status.OK, limit=self.limits.limit)
+                    await self._answer(hop, Status.OK, limit=self.limits.limit, peer=target,
+                                       peer_addrs=_observed(target_connection))
             except BaseException:
                 stop.reset()
                 raise
@@ -196,13 +205,15 @@ class RelayService:
         finally:
             self.resources.close_circuit(source, target)
 
-    async def _open_stop(self, source: PeerID, target: PeerID) -> Stream | None:
+    async def _open_stop(self, source: PeerID, target: PeerID,
+                         source_addrs: tuple[bytes, ...]) -> Stream | None:
         stream = None
         try:
             async with asyncio.timeout(MESSAGE_TIMEOUT):
                 stream = await self.host.new_stream(target, core.STOP_PROTOCOL)
                 await write_delimited(stream, core.encode_stop(
-                    StopMessage(StopType.CONNECT, peer=source, limit=self.limits.limit)))
+                    StopMessage(StopType.CONNECT, peer=source, limit=self.limits.limit,
+                                peer_addrs=source_addrs)))
                 data = await read_message(stream)
                 answer = core.decode_stop(data) if data is not None else None
         except (TimeoutError, ProtocolError, StreamError, ConnectionError) as error:
@@ -407,7 +418,8 @@ class RelayClient:
                 hop.reset()
                 raise
             connection = self._start_connection(hop, initiator=True, peer=peer_id, relay_addr=relay_addr,
-                                                limit=answer.limit)
+                                                limit=answer.limit,
+                                                observed=answer.peer_addrs if answer.peer == peer_id else ())
             try:
                 await connection.upgrade()
             except BaseException as error:
@@ -418,10 +430,11 @@ class RelayClient:
         return connection
 
     def _start_connection(self, stream: Stream, *, initiator: bool, peer: PeerID, relay_addr: Multiaddr,
-                          limit: Limit | None) -> Connection:
+                          limit: Limit | None, observed: tuple[bytes, ...]) -> Connection:
         connection = self.host.make_connection(initiator=initiator, expected_peer=peer)
         connection.relayed, connection.relay_limit = True, limit
-        StreamTransport(stream, connection)
+        connection.relay_observed_addrs = _parse_addrs(observed)  # where the relay saw the peer
+        StreamTransport(stream, self.host.protect(connection))
         connection.remote_addr = relay_addr.encapsulate("/p2p-circuit")
         return connection
 
@@ -456,7 +469,7 @@ class RelayClient:
         relay_addr = relay_addr.with_peer_id(relay) if relay_addr is not None else Multiaddr(f"/p2p/{relay}")
         # The relay says who is calling; Noise inside the circuit checks it (expected_peer).
         connection = self._start_connection(stream, initiator=False, peer=message.peer, relay_addr=relay_addr,
-                                            limit=message.limit)
+                                            limit=message.limit, observed=message.peer_addrs)
         task = asyncio.get_running_loop().create_task(self._finish_inbound(connection, relay))
         self._upgrades.add(task)
         task.add_done_callback(self._upgrades.discard)
@@ -481,6 +494,16 @@ class RelayClient:
         logger.debug(f"accepted a relayed connection from {connection.remote_peer} through {relay}")
         if self.on_inbound_circuit is not None:
             self.on_inbound_circuit(connection)
+
+
+def _parse_addrs(raw_addrs: Iterable[bytes]) -> list[Multiaddr]:
+    addrs = []
+    for raw in raw_addrs:
+        try:
+            addrs.append(Multiaddr.from_bytes(raw))
+        except MultiaddrError:
+            continue
+    return addrs
 
 
 def _is_loopback(addr: Multiaddr) -> bool:

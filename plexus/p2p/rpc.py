@@ -12,6 +12,13 @@ Messages are `bytes` or any class with `encode() -> bytes` and a `decode(bytes)`
 itself asks for `Chunks`: each message then arrives as a list of buffers, the received chunks
 uncopied. Every frame is bounded by `max_message_size`; a handler that raises, or a caller that
 sends garbage, costs that one stream and nothing else.
+
+Bounds on the serving side, per method (`add_handler`): a frame's length is checked before its
+body is read; a caller may have at most `max_concurrent_per_peer` requests under way at once (one
+more gets an error frame saying so); and its request (the first one, for a streaming method) must
+arrive within `request_timeout`. Later messages of a stream are paced by the service itself
+(all-reduce's sender_timeout, the MoE server's request_timeout). Each refusal is logged through the
+host, once a minute per peer.
 """
 
 import asyncio
@@ -21,6 +28,7 @@ from typing import Any
 from ..utils.logging import get_logger
 from .host import Host
 from .identity import PeerID
+from .limits import Counter
 from .protocols.varint import NeedMoreData, VarintError, decode_uvarint, encode_uvarint
 from .stream import Stream, StreamError, read_varint
 
@@ -28,6 +36,8 @@ logger = get_logger(__name__)
 
 MESSAGE, ERROR = 0, 1
 DEFAULT_MAX_MESSAGE_SIZE = 4 << 20
+DEFAULT_MAX_CONCURRENT_PER_PEER = 64
+DEFAULT_REQUEST_TIMEOUT = 60.0
 MAX_ERROR_SIZE = 64 << 10
 SMALL_FRAME = 64 << 10
 
@@ -121,26 +131,74 @@ async def _read_messages(stream: Stream, message_type, max_size: int, peer=None)
         yield _decode(message_type, payload)
 
 
+async def _first_within(messages: AsyncIterator, timeout: float | None, protocol: str) -> AsyncIterator:
+    """The messages, the first of which must arrive within `timeout` (else RPCProtocolError)."""
+    try:
+        async with asyncio.timeout(timeout):
+            first = await anext(messages, None)
+    except TimeoutError:
+        raise RPCProtocolError(f"no request arrived on {protocol} within {timeout} s "
+                               f"(request_timeout)") from None
+    if first is None:
+        return
+    yield first
+    async for message in messages:
+        yield message
+
+
 def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_type=bytes, response_type=bytes, *,
                 stream_input: bool = False, stream_output: bool = False,
-                max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> None:
+                max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+                max_concurrent_per_peer: int | None = DEFAULT_MAX_CONCURRENT_PER_PEER,
+                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT) -> None:
     """Serve `protocol` with `handler(request_or_iterator, context)`.
 
     The handler gets one decoded request, or an async iterator of them when `stream_input`;
     it returns one response, or is an async generator of them when `stream_output`.
+
+    Args:
+        max_message_size: the largest frame accepted, checked before the frame is read.
+        max_concurrent_per_peer: requests one peer may have under way on this method at once
+            (None: no bound but the host's max_inbound_streams_per_peer); one more gets an error.
+        request_timeout: the request (the first message of a streaming one) must arrive within
+            this many seconds of the stream opening, else the caller gets an error.
     """
+    under_way = Counter()
 
     async def serve(stream: Stream) -> None:
         context = RPCContext(stream)
+        peer = context.remote_peer
+        if not under_way.acquire(peer, max_concurrent_per_peer):
+            host.refused(("rpc requests per peer", peer, protocol),
+                         f"refused a {protocol} request from {peer}: it has {max_concurrent_per_peer} "
+                         f"under way (max_concurrent_per_peer)")
+            message = f"too many concurrent {protocol} requests from you ({max_concurrent_per_peer}); " \
+                      f"retry later"
+            await write_frame(stream, message.encode(), ERROR)
+            stream.reset()
+            return
         try:
-            requests = _read_messages(stream, request_type, max_message_size, context.remote_peer)
+            await _serve_request(stream, context)
+        finally:
+            under_way.release(peer)
+
+    async def _serve_request(stream: Stream, context: RPCContext) -> None:
+        try:
+            messages = _read_messages(stream, request_type, max_message_size, context.remote_peer)
+            requests = _first_within(messages, request_timeout, protocol)
             if stream_input:
                 request = requests
             else:
                 request = await anext(requests, None)
                 if request is None:
                     raise RPCProtocolError("the caller sent no request")
-                if await anext(requests, None) is not None:
+                try:
+                    async with asyncio.timeout(request_timeout):
+                        extra = await anext(requests, None)
+                except TimeoutError:
+                    raise RPCProtocolError(f"the request on {protocol} did not end within "
+                                           f"{request_timeout} s (request_timeout)") from None
+                if extra is not None:
                     raise RPCProtocolError("the caller sent more than one request to a unary method")
             if stream_output:
                 async for response in handler(request, context):
@@ -153,7 +211,10 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
             stream.reset()
             raise
         except Exception as error:
-            if not isinstance(error, (RPCProtocolError, RPCError)):
+            if isinstance(error, RPCProtocolError):
+                host.refused(("bad rpc request", context.remote_peer, protocol),
+                             f"refused a {protocol} request from {context.remote_peer}: {error}")
+            elif not isinstance(error, RPCError):
                 logger.debug(f"{protocol} handler failed for {context.remote_peer}: {error!r}", exc_info=True)
             message = str(error) or type(error).__name__
             await write_frame(stream, message.encode()[:MAX_ERROR_SIZE], ERROR)
@@ -222,12 +283,12 @@ async def call_stream(host: Host, peer: PeerID, protocol: str, requests, respons
                 except StopAsyncIteration:
                     break
             yield response
-        await sender
-    finally:
+        await sender  # every response is in: a failed send is the error now
+    except BaseException:
         if not sender.done():
             sender.cancel()
-            stream.reset()
-        elif not sender.cancelled() and sender.exception() is not None:
-            stream.reset()
-            raise sender.exception()
+        elif not sender.cancelled():
+            sender.exception()  # the error in flight (the handler's refusal, say) says more than a reset
+        stream.reset()
+        raise
 

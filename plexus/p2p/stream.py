@@ -41,6 +41,7 @@ class Stream:
         self._offset = 0  # read position inside self._chunks[0]
         self._buffered = 0
         self._unread_bytes = 0
+        self.bytes_received = 0  # ever, negotiation included: how a deadline tells a silent stream
         self._readable = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
@@ -221,6 +222,7 @@ class Stream:
     # --- called by the connection --------------------------------------------------------------
 
     def _on_data(self, data: bytes | memoryview) -> None:
+        self.bytes_received += len(data)
         self._chunks.append(data)
         self._buffered += len(data)
         self._readable.set()

@@ -3,11 +3,17 @@
 The library never prints; it logs through `get_logger(__name__)`. Applications (our CLIs, the
 example) call `use_plexus_log_handler()` once to get this format; the level comes from
 PLEXUS_LOGLEVEL (default INFO).
+
+Events a peer can cause at will (a refused connection, a request over a limit) go through
+`RateLimitedLog`, so a flooding peer gets one line that names it, not one line per attempt.
 """
 
 import logging
 import os
 import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 
 _ROOT = "plexus"
 
@@ -39,3 +45,43 @@ def use_plexus_log_handler(level: str | None = None, stream=None) -> None:
     handler._plexus = True
     logger.addHandler(handler)
     logger.propagate = False
+
+
+class RateLimitedLog:
+    """Log each kind of event once per `interval` per key, and at most `per_kind` lines per kind.
+
+    A key is `(kind, peer)` or any hashable whose first item is the kind ("connections per peer",
+    "ping rate", ...). Occurrences that were not logged are counted and reported with the next line
+    logged for the same kind, so nothing is lost but the repetition. Memory is bounded by `max_keys`.
+    """
+
+    def __init__(self, logger: logging.Logger, *, interval: float = 60.0, per_kind: int = 10,
+                 max_keys: int = 4096, clock: Callable[[], float] = time.monotonic):
+        self.logger, self.interval, self.per_kind, self.max_keys = logger, interval, per_kind, max_keys
+        self._clock = clock
+        self._last: OrderedDict[Hashable, float] = OrderedDict()  # key -> when it was last logged
+        self._kinds: dict[Hashable, list] = {}  # kind -> [window start, lines in window, suppressed]
+
+    def warning(self, key: tuple, message: str) -> bool:
+        return self.log(logging.WARNING, key, message)
+
+    def log(self, level: int, key: tuple, message: str) -> bool:
+        """Log `message` unless this key or its kind was logged too often lately; True if logged."""
+        now, kind = self._clock(), key[0]
+        window = self._kinds.setdefault(kind, [now, 0, 0])
+        if now - window[0] >= self.interval:
+            window[0], window[1] = now, 0
+        last = self._last.get(key)
+        if (last is not None and now - last < self.interval) or window[1] >= self.per_kind:
+            window[2] += 1
+            return False
+        self._last[key] = now
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        window[1] += 1
+        if window[2]:
+            message += f" ({window[2]} more like it not logged)"
+            window[2] = 0
+        self.logger.log(level, message)
+        return True

@@ -5,6 +5,8 @@ vanish: every read first sweeps them out. Expirations sit in a heap with lazy de
 live only if it still matches the stored expiration); the heap is rebuilt when stale entries
 outnumber live ones, so memory stays proportional to the live size. With `maxsize`, storing past
 the cap evicts the entry that would expire soonest, which is the least useful one to keep.
+Every entry that leaves (expired, evicted, removed or replaced) passes through `_forget`, so a
+subclass can keep its own bookkeeping of what is held.
 """
 
 import heapq
@@ -48,7 +50,10 @@ class TimedStorage(Generic[KeyType, ValueType]):
         return key in self.data
 
     def _put(self, key: KeyType, item: ValueWithExpiration[ValueType]) -> None:
+        previous = self.data.get(key)
         self.data[key] = item
+        if previous is not None:
+            self._forget(key, previous)
         heapq.heappush(self._heap, (item.expiration_time, next(self._counter), key))
         if len(self._heap) > 2 * len(self.data) + 16:
             self._heap = [(item.expiration_time, next(self._counter), k) for k, item in self.data.items()]
@@ -62,14 +67,14 @@ class TimedStorage(Generic[KeyType, ValueType]):
         while self._heap:
             expiration_time, _, key = heapq.heappop(self._heap)
             if self._is_live(expiration_time, key):
-                del self.data[key]
+                self._forget(key, self.data.pop(key))
                 return
 
     def remove_outdated(self, now: float) -> None:
         while self._heap and self._heap[0][0] <= now:
             expiration_time, _, key = heapq.heappop(self._heap)
             if self._is_live(expiration_time, key):
-                del self.data[key]
+                self._forget(key, self.data.pop(key))
 
     def get(self, key: KeyType, now: float) -> ValueWithExpiration[ValueType] | None:
         self.remove_outdated(now)
@@ -91,7 +96,14 @@ class TimedStorage(Generic[KeyType, ValueType]):
 
     def remove(self, key: KeyType) -> bool:
         """Forget `key` at once (its heap entry goes stale and is skipped later)."""
-        return self.data.pop(key, None) is not None
+        item = self.data.pop(key, None)
+        if item is None:
+            return False
+        self._forget(key, item)
+        return True
+
+    def _forget(self, key: KeyType, item: ValueWithExpiration[ValueType]) -> None:
+        """Called for every entry that leaves (expired, evicted, removed or replaced); no-op here."""
 
     def __contains__(self, key: KeyType) -> bool:
         return key in self.data

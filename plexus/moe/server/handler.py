@@ -2,10 +2,12 @@
 
 Every request is checked against the expert's schema before anything is queued: the uid must be
 served here, the tensor count must match, each tensor must have the descriptor's dtype and
-non-batch shape, all must share one batch size in [1, max_batch_size]. In the streaming variants
-each tensor's header chunk is checked as it arrives, before its data is buffered. A request that
-fails a check gets an error naming the expert, the tensor and what was expected; nothing else is
-affected. The RPC layer answers garbage bytes the same way. Each call, reading included, is
+non-batch shape, all must share one batch size in [1, max_batch_size], and hold no NaN or inf.
+In the streaming variants each tensor's header chunk is checked as it arrives, before its data is
+buffered. A request that fails a check gets an error naming the expert, the tensor and what was
+expected; nothing else is affected. A batch that turns out non-finite anyway (`NonFiniteError`)
+fails every request in it, and leaves the expert as it was. Refusals are logged once a minute per
+peer and kind. The RPC layer answers garbage bytes the same way. Each call, reading included, is
 bounded by `request_timeout`.
 
 Wire format and protocol ids: `plexus.moe.messages`.
@@ -23,7 +25,9 @@ from ...compression import CompressionError, SerializedTensor
 from ...compression.wire import DTYPE_NAMES
 from ...p2p import rpc
 from ...p2p.host import Host
-from ...utils.logging import get_logger
+from ...p2p.identity import PeerID
+from ...utils.logging import RateLimitedLog, get_logger
+from ...utils.tensors import first_nonfinite
 from ..messages import (
     BACKWARD_PROTOCOL,
     BACKWARD_STREAM_PROTOCOL,
@@ -43,10 +47,11 @@ from ..messages import (
     unary_message,
 )
 from ..schema import BatchTensorDescriptor
-from .module_backend import ModuleBackend
+from .module_backend import ModuleBackend, NonFiniteError
 from .runtime import TaskRejected
 
 logger = get_logger(__name__)
+_refusals = RateLimitedLog(logger)
 
 DEFAULT_REQUEST_TIMEOUT = 120.0
 PROTOCOLS = (INFO_PROTOCOL, FORWARD_PROTOCOL, BACKWARD_PROTOCOL, FORWARD_STREAM_PROTOCOL, BACKWARD_STREAM_PROTOCOL)
@@ -103,19 +108,19 @@ class ConnectionHandler:
         async with self._deadline():
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors)
-            return self._unary_response(await self._run(backend, inputs, backward=False))
+            return self._unary_response(await self._run(backend, inputs, context.remote_peer, backward=False))
 
     async def rpc_backward(self, request: ExpertRequest, context: rpc.RPCContext) -> ExpertResponse:
         async with self._deadline():
             backend = self._backend(request.uid)
             inputs = self._decode(backend, request.tensors, backward=True)
-            return self._unary_response(await self._run(backend, inputs, backward=True))
+            return self._unary_response(await self._run(backend, inputs, context.remote_peer, backward=True))
 
     async def rpc_forward_stream(self, requests: AsyncIterator[ExpertRequest],
                                  context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
         async with self._deadline():
             backend, inputs = await self._collect(requests, backward=False)
-            outputs = await self._run(backend, inputs, backward=False)
+            outputs = await self._run(backend, inputs, context.remote_peer, backward=False)
         for chunks in stream_messages(outputs):
             yield ExpertResponse(chunks)
 
@@ -123,7 +128,7 @@ class ConnectionHandler:
                                   context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
         async with self._deadline():
             backend, inputs = await self._collect(requests, backward=True)
-            grads = await self._run(backend, inputs, backward=True)
+            grads = await self._run(backend, inputs, context.remote_peer, backward=True)
         for chunks in stream_messages(grads):
             yield ExpertResponse(chunks)
 
@@ -214,19 +219,29 @@ class ConnectionHandler:
 
     # --- compute ------------------------------------------------------------------------------------
 
-    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor],
+    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor], peer: PeerID,
                    backward: bool) -> list[SerializedTensor]:
+        if (index := first_nonfinite(inputs)) is not None:
+            self._refuse(peer, f"expert {backend.name!r}: {self._describe(backend, index)} holds NaN or inf")
         pool = backend.backward_pool if backward else backend.forward_pool
         try:
             future = pool.submit_task(*inputs)
         except TaskRejected as error:
             raise ExpertRequestError(str(error)) from None
-        outputs = await future
+        try:
+            outputs = await future
+        except NonFiniteError as error:
+            self._refuse(peer, str(error))
         schema = backend.schema.grad_inputs_schema if backward else backend.schema.outputs_schema
         if len(outputs) != len(schema):
             raise RuntimeError(f"expert {backend.name!r} produced {len(outputs)} tensors, its schema says "
                                f"{len(schema)}")
         return serialize_tensors(outputs, schema)
+
+    @staticmethod
+    def _refuse(peer: PeerID, problem: str):
+        _refusals.warning((problem, peer), f"refused a request of {peer}: {problem}")
+        raise ExpertRequestError(f"{problem}; the request was refused and the expert left unchanged")
 
     @staticmethod
     def _unary_response(serialized: list[SerializedTensor]) -> ExpertResponse:

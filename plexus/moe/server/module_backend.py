@@ -7,6 +7,11 @@ trains the expert (hivemind's design; a recomputed dropout differs from the forw
 why `det_dropout` takes its mask as an input).
 
 Inputs arrive on the CPU and are moved to the module's device; outputs go back to the CPU.
+
+Nothing non-finite gets through: a batch whose outputs, input gradients or parameter gradients
+hold NaN or inf raises `NonFiniteError` instead of answering, and a backward that raises it takes
+no optimizer step and clears the parameters' gradients, so the expert stays exactly as it was.
+(The handler refuses requests whose own tensors are not finite before they are batched.)
 """
 
 from __future__ import annotations
@@ -16,11 +21,18 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ...errors import PeerMisbehaved
+from ...utils.tensors import first_nonfinite
 from ..messages import ExpertSchema
 from ..schema import BatchTensorDescriptor
 from .runtime import DEFAULT_MAX_PENDING_TASKS, TaskPool
 
 DUMMY_BATCH_SIZE = 3  # the batch used to infer outputs_schema
+
+
+class NonFiniteError(PeerMisbehaved, ValueError):
+    """A batch produced NaN or inf (outputs or gradients) from a client's inputs; it was refused, and
+    the expert is unchanged."""
 
 
 class ModuleBackend:
@@ -95,6 +107,9 @@ class ModuleBackend:
         device = self.device
         with torch.no_grad():
             outputs = self._call([t.to(device, non_blocking=True) for t in inputs])
+        if (index := first_nonfinite(outputs)) is not None:
+            raise NonFiniteError(f"expert {self.name!r}: output {index} of this batch holds NaN or inf; "
+                                 f"refused")
         return tuple(t.detach().cpu() for t in outputs)
 
     def backward(self, *inputs_and_grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -112,6 +127,13 @@ class ModuleBackend:
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         grads = tuple((t.grad if t.grad is not None else torch.zeros_like(t)).detach().cpu()
                       for t, d in zip(inputs, descriptors) if d.requires_grad)
+        parameter_grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for what, tensors in (("a parameter gradient", parameter_grads), ("an input gradient", grads)):
+            if first_nonfinite(tensors) is not None:
+                for param in self.module.parameters():
+                    param.grad = None
+                raise NonFiniteError(f"expert {self.name!r}: {what} of this batch holds NaN or inf; refused, "
+                                     f"no optimizer step taken")
         self.on_backward(inputs[0].shape[0] if inputs else 0)
         return grads
 

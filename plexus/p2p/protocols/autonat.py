@@ -11,7 +11,7 @@ varint-length-prefixed protobuf request, one response, at most MAX_MESSAGE_SIZE 
 The server dials the client back on the addresses it lists and answers OK (with the address that
 worked), E_DIAL_ERROR (none worked), E_DIAL_REFUSED (it will not try: relayed request, no address it
 may dial, too busy) or E_BAD_REQUEST. To keep AutoNAT from being an amplifier (RFC 3489 12.1.1), the
-server only dials addresses on the IP it observed the request come from (`dialable_addrs`).
+server only dials addresses on the IP it observed the request come from (plexus/p2p/dial_rule.py).
 
 The client's verdict (`Reachability`) comes from the last few answers (`ReachabilityTracker`):
 public once `confidence` dial-backs worked and outnumber the failures, private once `confidence`
@@ -26,7 +26,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..identity import IdentityError, PeerID
-from ..multiaddr import Multiaddr, MultiaddrError, parse_host_port
 from . import pb
 from .errors import RemoteProtocolError
 
@@ -110,22 +109,6 @@ def decode_response(data) -> DialResponse:
     except ValueError:
         raise RemoteProtocolError(f"AutoNAT response has unknown status {fields.get('status')}") from None
     return DialResponse(status, fields.get("status_text", ""), fields.get("addr"))
-
-
-def dialable_addrs(addrs, observed_ip: str | None) -> list[Multiaddr]:
-    """The TCP addresses from a request that the server may dial: only on the IP it saw the client at."""
-    if observed_ip is None:
-        return []
-    allowed = []
-    for raw in addrs:
-        try:
-            addr = Multiaddr.from_bytes(raw)
-            ip, _, _ = parse_host_port(addr)
-        except MultiaddrError:
-            continue
-        if ip == observed_ip and addr not in allowed:
-            allowed.append(addr)
-    return allowed
 
 
 class Reachability(enum.Enum):

@@ -13,6 +13,11 @@ Two protocols, each one varint-length-prefixed protobuf per message (at most MAX
 - stop (`/libp2p/circuit/relay/0.2.0/stop`), relay -> reserved peer: CONNECT{peer{id of the
   dialer}, limit} answered by STATUS. After OK the stream carries the relayed bytes.
 
+Observed addresses. Our relay names, in the stop CONNECT, the address it saw the dialer's connection
+come from (`Peer.addrs`, which the spec leaves free), and in the hop STATUS answering a CONNECT, the
+address it saw the target's connection come from. Hole punching dials only addresses on such
+observed IPs (plexus/p2p/dial_rule.py); relays that say nothing there (go-libp2p's) give it none.
+
 The relayed bytes are a whole new secure session (Noise): the relay names the dialer in the stop
 CONNECT, but the target believes only the Noise handshake inside the circuit, so a relay (or a
 dialer) cannot make one peer pass for another.
@@ -110,6 +115,7 @@ class StopMessage:
     peer: PeerID | None = None
     limit: Limit | None = None
     status: Status | None = None
+    peer_addrs: tuple[bytes, ...] = ()  # where the relay saw `peer` connect from (see the module comment)
 
 
 # --- codecs --------------------------------------------------------------------------------------
@@ -137,7 +143,8 @@ def encode_hop(message: HopMessage) -> bytes:
 
 def encode_stop(message: StopMessage) -> bytes:
     return pb.encode(_STOP, {
-        "type": int(message.type), "peer": _encode_peer(message.peer), "limit": _encode_limit(message.limit),
+        "type": int(message.type), "peer": _encode_peer(message.peer, message.peer_addrs),
+        "limit": _encode_limit(message.limit),
         "status": None if message.status is None else int(message.status),
     })
 
@@ -218,13 +225,13 @@ def decode_stop(data) -> StopMessage:
         kind = StopType(fields["type"])
     except (KeyError, ValueError):
         raise RemoteProtocolError(f"stop message has missing or unknown type {fields.get('type')}") from None
-    peer, _ = _decode_peer(fields.get("peer"), "stop message")
+    peer, addrs = _decode_peer(fields.get("peer"), "stop message")
     status = _decode_status(fields.get("status"), "stop message")
     if kind is StopType.CONNECT and peer is None:
         raise RemoteProtocolError("stop CONNECT names no initiating peer")
     if kind is StopType.STATUS and status is None:
         raise RemoteProtocolError("stop STATUS carries no status code")
-    return StopMessage(kind, peer, _decode_limit(fields.get("limit"), "stop message"), status)
+    return StopMessage(kind, peer, _decode_limit(fields.get("limit"), "stop message"), status, addrs)
 
 
 # --- vouchers (signed envelopes) -------------------------------------------------------------------

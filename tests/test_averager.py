@@ -232,24 +232,53 @@ def test_a_peer_killed_mid_round_does_not_stop_the_others():
         first.shutdown()
 
 
-def test_wait_ended_follows_the_coroutine_not_the_future():
-    """A cancelled step's future ends at once, its coroutine a moment later; a step cancelled
-    before its coroutine ran has nothing left to wait for."""
+def test_a_cancelled_step_is_done_only_once_its_coroutine_has_unwound():
+    """cancel() returns at once; done(), cancelled() and wait_ended() follow the coroutine, which
+    may take a while to leave matchmaking. A step cancelled before its task started never runs."""
     loop = asyncio.new_event_loop()
     try:
+        ran, unwound, release = [], [], asyncio.Event()
+
+        async def records_that_it_ran():
+            ran.append(True)
+
         unstarted = StepControl(loop, scheduled_time=0.0, weight=1.0, require_trigger=False)
-        unstarted._attach(concurrent.futures.Future())
-        assert not unstarted.wait_ended(0)
-        unstarted.cancel()
-        assert unstarted.wait_ended(0)
+        unstarted._start(records_that_it_ran())
+        assert unstarted.cancel() and not unstarted.done()
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert unstarted.cancelled() and unstarted.wait_ended(0) and not ran
+
+        async def slow_to_unwind():
+            try:
+                await asyncio.sleep(3600)
+            finally:  # like a round withdrawing its declaration
+                await release.wait()
+                unwound.append(True)
 
         running = StepControl(loop, scheduled_time=0.0, weight=1.0, require_trigger=False)
-        running._attach(concurrent.futures.Future())
-        running.stage = AveragingStage.LOOKING_FOR_GROUP
-        running.cancel()
-        assert not running.wait_ended(0)  # still matchmaking
-        running._finish()  # what the averager's step does as it ends, however it ends
-        assert running.wait_ended(0) and running.stage is AveragingStage.FINISHED
+        running._start(slow_to_unwind())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert running.cancel() and running.cancel(), "a second cancel must not cut the unwinding short"
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert not running.done() and not running.wait_ended(0) and not unwound
+        release.set()
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert running.cancelled() and running.wait_ended(0) and unwound == [True]
+        assert not running.cancel(), "nothing left to cancel"
     finally:
         loop.close()
 
+
+def test_a_round_started_right_after_a_cancelled_one_waits_for_it_instead_of_failing():
+    """The training loop cancels a round and at once schedules the next: the new round must not
+    find matchmaking still busy with the old one."""
+    dhts = make_swarm(2)
+    a, b = (DecentralizedAverager([torch.full((8,), float(i))], dht, prefix="again", start=True, **FAST)
+            for i, dht in enumerate(dhts))
+    try:
+        for _ in range(5):
+            a.step(wait=False, timeout=20).cancel()
+            control_a, control_b = a.step(wait=False, timeout=20), b.step(wait=False, timeout=20)
+            assert len(control_a.result(20)) == 2 and len(control_b.result(20)) == 2
+    finally:
+        close(a, b, *dhts)

@@ -18,7 +18,8 @@ def imported_modules(path: Path) -> set[str]:
 
 
 # State machines outside p2p/protocols that take time as a parameter and do no I/O either.
-OTHER_CORES = ("averaging/reducer_core.py", "averaging/matchmaking_state.py", "dht/traverse.py", "moe/client/beam.py")
+OTHER_CORES = ("averaging/reducer_core.py", "averaging/matchmaking_state.py", "dht/traverse.py", "moe/client/beam.py",
+               "optim/epoch_policy.py")
 
 
 def test_protocol_cores_do_no_io():

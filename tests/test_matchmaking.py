@@ -404,6 +404,77 @@ def test_too_few_peers_get_none_at_their_deadline():
     run(main, 25)
 
 
+@pytest.mark.timeout(40)
+def test_with_alone_timeout_a_round_gives_up_when_nobody_else_looks_but_never_while_someone_does():
+    async def main():
+        swarm = await Swarm.create(4)
+        try:
+            options = dict(min_matchmaking_time=0.5, request_timeout=0.5)
+            lone, = swarm.add_matchmakers([0], prefix="lone", **options)
+            results, times = await look([lone], timeout=20, alone_timeout=0.0)
+            assert results == [None] and lone.last_round_alone and times[0] < 10, "gave up long before the deadline"
+
+            # a peer that arrives after the first one declared is waited for
+            first, second = swarm.add_matchmakers([1, 2], prefix="pair", **options)
+            early = asyncio.ensure_future(look([first], timeout=20, alone_timeout=0.0))
+            await wait_until(lambda: first.peer_id in first._view, timeout=5)
+            late, _ = await look([second], timeout=20, alone_timeout=0.0)
+            (result, *_), _ = await early
+            assert result is not None and late == [result] and not first.last_round_alone
+
+            # a peer that died after declaring (no withdrawal) is not waited for beyond its declaration
+            survivor, victim = swarm.add_matchmakers([3, 0], prefix="dead", **options)
+            loop = asyncio.get_running_loop()
+            dying = loop.create_task(victim.look_for_group(gather=b"v", deadline=loop.time() + 20))
+            await wait_until(lambda: victim.peer_id in victim._view, timeout=5)
+            await swarm.hosts[0].shutdown()
+            dying.cancel()
+            await asyncio.gather(dying, return_exceptions=True)
+            results, times = await look([survivor], timeout=20, alone_timeout=0.0)
+            assert results == [None] and survivor.last_round_alone and times[0] < 10
+        finally:
+            await swarm.close()
+
+    run(main, 35)
+
+
+def test_a_leader_takes_only_followers_of_its_own_round():
+    state = MatchmakingState(new_peer_id(), schema_hash=b"s", target_group_size=4)
+    state.start(KEY, b"leader", round_tag=b"epoch 7")
+    state.declare(100.0, now=90.0)
+    other_round = JoinRequest(KEY, b"s", 101.0, b"g", round_tag=b"epoch 8")
+    assert state.on_join_request(new_peer_id(), other_round, 90, "h").join_code is JoinCode.BAD_GROUP_KEY
+    same_round = JoinRequest(KEY, b"s", 101.0, b"g", round_tag=b"epoch 7")
+    assert state.on_join_request(new_peer_id(), same_round, 90, "h").join_code is JoinCode.ACCEPTED
+    assert JoinRequest.decode(same_round.encode()) == same_round
+    with pytest.raises(ValueError):
+        JoinRequest(KEY, b"s", 1.0, b"", round_tag=b"t" * 65)
+
+
+@pytest.mark.timeout(40)
+def test_rounds_with_different_tags_never_meet():
+    async def main():
+        swarm = await Swarm.create(4)
+        try:
+            matchmakers = swarm.add_matchmakers(min_matchmaking_time=1.0, request_timeout=0.5)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 6
+
+            async def one(matchmaking, tag):
+                return await matchmaking.look_for_group(gather=gather_of(matchmaking), deadline=deadline,
+                                                        round_tag=tag)
+
+            tags = [b"epoch 1", b"epoch 2", b"epoch 1", b"epoch 2"]
+            results = await asyncio.gather(*(one(m, tag) for m, tag in zip(matchmakers, tags)))
+            groups = check_groups(matchmakers, results)
+            assert sorted(sorted(matchmakers.index(next(m for m in matchmakers if m.peer_id == p))
+                                 for p in group.peer_ids) for group in groups) == [[0, 2], [1, 3]]
+        finally:
+            await swarm.close()
+
+    run(main, 35)
+
+
 @pytest.mark.timeout(60)
 def test_a_late_peer_still_gets_in_while_the_leader_waits():
     async def main():

@@ -273,3 +273,33 @@ def test_offloaded_optimizer_with_a_cuda_half_precision_model():
         assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors[:2])
     finally:
         close(averager, dht)
+
+
+def test_shared_state_names_the_epoch_of_the_parameters_it_holds():
+    """increment_epoch moves local_epoch at once, but what newcomers download says epoch 1 only once
+    the parameters hold epoch 1's optimizer step (else a newcomer would stay one step short)."""
+    dht = DHT(start=True, host_maddrs=LOCAL)
+    model = make_model(0)
+    averager = TrainingStateAverager(dht=dht, optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                                     params=model.parameters(), offload_optimizer=True, prefix="epochs",
+                                     start=True, **FAST)
+    gate = threading.Event()
+    try:
+        before = [p.detach().clone() for p in averager._optimized_parameters()]
+        set_grads(model, 0)
+        averager.step(increment_epoch=True, optimizer_step=True, delay_optimizer_step=True,
+                      wait_for_trigger=gate.wait)  # the step waits, as for a gradient round
+        assert averager.local_epoch == 1
+        with averager.get_tensors():
+            metadata, tensors, _ = averager.get_current_state()
+            assert metadata["epoch"] == 0 and averager.state_sharing_priority == 0
+            assert all(torch.equal(tensor, old) for tensor, old in zip(tensors, before))
+        gate.set()
+        averager.step(wait_for_delayed_updates=True)
+        with averager.get_tensors():
+            metadata, tensors, _ = averager.get_current_state()
+            assert metadata["epoch"] == 1 and averager.state_sharing_priority == 1
+            assert not torch.equal(tensors[0], before[0])
+    finally:
+        gate.set()
+        close(averager, dht)

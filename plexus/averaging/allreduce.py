@@ -101,7 +101,7 @@ from .messages import (
     encode_tensor,
 )
 from .partition import DEFAULT_PART_SIZE_BYTES, Part, TensorPartition, spans_from_fractions
-from .reducer import SenderExcluded, SpanReducer, log_peer_fault
+from .reducer import EXCLUDED_YOU, SenderExcluded, SpanReducer, log_peer_fault
 from .verification import PART_FIELDS, PartPrecision, direction, discarded_parts, encode_report, part_row
 
 logger = get_logger(__name__)
@@ -135,6 +135,8 @@ class SpanFailure:
     parts_received: int
     parts_total: int
     reason: str
+    excluded: bool = False
+    """The reducer went on without us (it excluded this peer): the others got its whole span."""
 
 
 @dataclass
@@ -397,7 +399,8 @@ class AllReduceRunner:
                 log_peer_fault(peer, reason, f"all-reduce {self.group_id.hex()[:8]}: span of {peer} failed "
                                f"after {received} of {total} parts ({reason}); keeping local values for "
                                f"the rest of it")
-                self.report.failed_spans.append(SpanFailure(peer, received, total, reason))
+                excluded = isinstance(error, rpc.RPCError) and str(error).startswith(EXCLUDED_YOU)
+                self.report.failed_spans.append(SpanFailure(peer, received, total, reason, excluded))
             else:
                 log_peer_fault(peer, "verify " + reason, f"all-reduce {self.group_id.hex()[:8]}: could not "
                                f"verify with {peer} ({reason}); its verdict does not count")

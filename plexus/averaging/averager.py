@@ -59,6 +59,15 @@ class AveragingError(Exception):
     """An averaging step failed (no group in time, or the round broke); the message says which."""
 
 
+class NoPeersError(AveragingError):
+    """A step with `alone_timeout` gave up: no other peer was looking for a group."""
+
+
+class LeftOutError(AveragingError):
+    """With `accept_partial=False`: a reducer excluded this peer from the round (too slow, or its
+    stream broke), and the rest of the group averaged without it. Not retried: that group is over."""
+
+
 class DecentralizedAverager:
     """Averages `averaged_tensors` with other peers under the same `prefix`.
 
@@ -262,13 +271,23 @@ class DecentralizedAverager:
 
     def step(self, gather: Any = None, scheduled_time: float | None = None, weight: float | None = None,
              timeout: float | None = None, allow_retries: bool = True, require_trigger: bool = False,
-             wait: bool = True, weight_for_group=None, expected_group_size: int | None = None):
+             wait: bool = True, weight_for_group=None, expected_group_size: int | None = None,
+             accept_partial: bool = True, alone_timeout: float | None = None, round_tag: bytes = b""):
         """Average once with a group; returns {peer_id: gathered data} of its members.
 
         With `wait=False` returns a StepControl at once (result, cancel, trigger). Raises
         AveragingError if no round succeeded before `timeout` (default 60 s). `weight_for_group`:
         see `StepControl.weight_for_group`. `expected_group_size`: peers the caller knows will look
         for this round; the group waits for them until the scheduled time instead of forming early.
+
+        `accept_partial=False`: a round in which a span of ours failed (its reducer left, or its
+        result failed verification, so those parts kept our local values) counts as failed: our
+        tensors are left exactly as they were, and the step retries with a new group while the
+        deadline allows, or, if a reducer went on without us, raises LeftOutError. Then every
+        successful step leaves this peer with the same result as everyone who averaged with it.
+        `alone_timeout`: give up (NoPeersError, no retry) that many seconds after the scheduled
+        time when no other peer is looking for a group, instead of waiting for the deadline.
+        `round_tag`: meet only steps with the same tag (e.g. an epoch; see `Matchmaking`).
         """
         if self._ready is None:
             raise RuntimeError("the averager is not running: create it with start=True")
@@ -282,12 +301,13 @@ class DecentralizedAverager:
                               require_trigger=require_trigger)
         control.weight_for_group = weight_for_group
         user_gather = MSGPackSerializer.dumps(gather)
-        control._attach(self._background.submit(
-            self._step(control, user_gather, timeout, allow_retries, expected_group_size)))
+        control._start(self._step(control, user_gather, timeout, allow_retries, expected_group_size,
+                                  accept_partial, alone_timeout, round_tag))
         return control.result() if wait else control
 
     async def _step(self, control: StepControl, user_gather: bytes, timeout: float | None, allow_retries: bool,
-                    expected_group_size: int | None = None):
+                    expected_group_size: int | None, accept_partial: bool, alone_timeout: float | None,
+                    round_tag: bytes):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else DEFAULT_STEP_TIMEOUT)
         gather = MSGPackSerializer.dumps([self.bandwidth, self.mode.value, user_gather])
@@ -297,7 +317,12 @@ class DecentralizedAverager:
                 control.stage = AveragingStage.LOOKING_FOR_GROUP
                 group = await self._matchmaking.look_for_group(gather=gather, deadline=deadline,
                                                                scheduled_time=control.scheduled_time,
-                                                               expected_group_size=expected_group_size)
+                                                               expected_group_size=expected_group_size,
+                                                               alone_timeout=alone_timeout, round_tag=round_tag)
+                if group is None and self._matchmaking.last_round_alone:
+                    earlier = f" (earlier tries: {'; '.join(failures)})" if failures else ""
+                    raise NoPeersError(f"Averaging step failed: no other peer was looking for a group under "
+                                       f"{self._matchmaking.group_key!r}{earlier}")
                 if group is None:
                     failures.append("could not find a group")
                 else:
@@ -306,7 +331,8 @@ class DecentralizedAverager:
                         await control.wait_for_trigger()
                     control.stage = AveragingStage.RUNNING_ALLREDUCE
                     try:
-                        return await self._run_allreduce(group, self._weight_for_group(group, control))
+                        return await self._run_allreduce(group, self._weight_for_group(group, control),
+                                                         accept_partial)
                     except (ConnectionError, TimeoutError, ValueError) as error:
                         failures.append(f"all-reduce in group {group.group_id.hex()[:8]} failed: {error!r}")
                 if not allow_retries or loop.time() + self.request_timeout >= deadline:
@@ -337,7 +363,7 @@ class DecentralizedAverager:
             raise AveragingError(f"weight_for_group returned {weight!r}; a weight must be finite and >= 0")
         return weight
 
-    async def _run_allreduce(self, group, weight: float) -> dict[PeerID, Any]:
+    async def _run_allreduce(self, group, weight: float, accept_partial: bool = True) -> dict[PeerID, Any]:
         members = [MSGPackSerializer.loads(data) for data in group.gathered]
         for member in members:
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
@@ -355,9 +381,16 @@ class DecentralizedAverager:
             with _routers[self.dht.host].register(runner):
                 async with asyncio.timeout(self.allreduce_timeout):
                     report = await runner.run()
-        if not report.complete:
             failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
                                for f in report.failed_spans)
+            if (report.failed_spans or report.discarded_parts) and not accept_partial:  # not published
+                if any(failure.excluded for failure in report.failed_spans):
+                    raise LeftOutError(f"Averaging step failed: the group {group.group_id.hex()[:8]} averaged "
+                                       f"without this peer: {failed}")
+                discarded = ", ".join(peer.short() for peer in report.discarded_parts)
+                raise ConnectionError(f"spans kept local values: {failed or 'none'}; parts that failed "
+                                      f"verification, reduced by: {discarded or 'none'}")
+        if not report.complete:
             logger.warning(f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "
                            f"values: {failed or 'none'}; excluded senders: "
                            f"{list(map(str, report.excluded_senders))}; parts that failed verification: "

@@ -4,12 +4,19 @@ The training thread can wait for the result, cancel the step, change the weight 
 all-reduce begins, and, with `require_trigger=True`, let matchmaking run ahead of time and start
 the all-reduce only when it calls `allow_allreduce()` (how the optimizer forms groups before the
 epoch ends).
+
+The control owns the step's task on the event loop, and its future resolves only when that task
+is over: `done()` means the step's coroutine has finished, however it ended. So `cancel()` asks
+the task to stop and returns at once, while `done()`, `result()` and `cancelled()` follow a
+moment later, when the coroutine has unwound (left matchmaking, withdrawn its declaration). A
+caller that waits for a cancelled step therefore never starts the next one on top of it.
 """
 
 import asyncio
 import concurrent.futures
 import enum
 import threading
+from collections.abc import Coroutine
 
 
 UNWIND_TIMEOUT = 10.0  # the longest a cancelled step's coroutine takes to end, in practice far less
@@ -31,31 +38,50 @@ class StepControl:
         self._trigger = asyncio.Event()  # created on the loop thread by the averager
         if not require_trigger:
             self._trigger.set()
-        self._future: concurrent.futures.Future | None = None
-        self._ended = threading.Event()  # the step's coroutine is over (or was cancelled unstarted)
+        self._future: concurrent.futures.Future = concurrent.futures.Future()  # resolved as the task ends
+        self._ended = threading.Event()  # set with the future (concurrent.futures.wait overlooks a
+        self._future.add_done_callback(lambda _: self._ended.set())  # future cancelled this way)
+        self._task: asyncio.Task | None = None  # made on the loop by _start
+        self._cancelling = False
         self.weight_for_group = None
         """Optional `(gathered, weight) -> weight`, called once the group is known and the trigger
         fired, with the user `gather` of every member that contributes (not auxiliary): lets a
         caller withdraw its contribution from a group it should not average with (e.g. peers at a
         newer epoch). Runs on the event loop: keep it cheap and non-blocking."""
 
-    def _attach(self, future: concurrent.futures.Future) -> None:
-        self._future = future
-        future.add_done_callback(self._on_future_done)
+    # --- the task (the averager's side) --------------------------------------------------------------
 
-    def _on_future_done(self, _future) -> None:
-        if self.stage is AveragingStage.IDLE:  # cancelled before its coroutine ran: it never will
-            self._ended.set()
+    def _start(self, coroutine: Coroutine) -> None:
+        """Run the step's coroutine as a task on the loop; callable from any thread, once."""
+        self._loop.call_soon_threadsafe(self._create_task, coroutine)
+
+    def _create_task(self, coroutine: Coroutine) -> None:
+        if self._cancelling:  # cancelled before the loop got to it: it never runs
+            coroutine.close()
+            self._future.cancel()
+            return
+        self._task = self._loop.create_task(coroutine)
+        self._task.add_done_callback(self._on_task_done)
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            self._future.cancel()
+        elif task.exception() is not None:
+            self._future.set_exception(task.exception())
+        else:
+            self._future.set_result(task.result())
+
+    def _cancel_task(self) -> None:
+        if self._task is not None:  # None: _create_task has not run yet, and will see _cancelling
+            self._task.cancel()
 
     def _finish(self) -> None:
         """Called by the averager as the step's coroutine ends, however it ends."""
         self.stage = AveragingStage.FINISHED
-        self._ended.set()
 
     def wait_ended(self, timeout: float = UNWIND_TIMEOUT) -> bool:
-        """Block until the step's coroutine is over, not just its future: a cancelled step leaves
-        matchmaking a moment after `cancel()` returns, and the averager looks for one group at a
-        time. False if it still runs after `timeout` seconds."""
+        """Block until the step's coroutine is over (the same as `done()`); False if it still runs
+        after `timeout` seconds."""
         return self._ended.wait(timeout)
 
     @property
@@ -93,7 +119,14 @@ class StepControl:
         return self._future.done()
 
     def cancel(self) -> bool:
-        return self._future.cancel()
+        """Ask the step to stop; False if it is over already. Returns at once: the coroutine unwinds
+        on the loop, and the step is done (cancelled) when it has; `wait_ended()` waits for that."""
+        if self._future.done():
+            return False
+        if not self._cancelling:  # once: a second cancellation would cut the unwinding short
+            self._cancelling = True
+            self._loop.call_soon_threadsafe(self._cancel_task)
+        return True
 
     def cancelled(self) -> bool:
         return self._future.cancelled()
@@ -102,7 +135,15 @@ class StepControl:
         self._future.add_done_callback(lambda _: callback(self))
 
     def __await__(self):
-        return asyncio.wrap_future(self._future).__await__()
+        return self._wait().__await__()
+
+    async def _wait(self):
+        """Await the result; an awaiter that is cancelled cancels the step (and does not wait for it)."""
+        try:
+            return await asyncio.shield(asyncio.wrap_future(self._future))
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
 
     def __repr__(self) -> str:
         return f"<StepControl {self.stage.name} weight={self._weight} triggered={self.triggered}>"

@@ -3,8 +3,8 @@
 Theory of operation (the decisions live in `matchmaking_state.py`; this is the asyncio driver).
 
 `look_for_group(gather=..., deadline=...)` runs one round:
-1. Declare: store `True` under `{prefix}.0b{bits}`, subkey = our peer id, expiring at our declared
-   time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock),
+1. Declare: store `True` (or the round's tag, see below) under `{prefix}.0b{bits}`, subkey = our
+   peer id, expiring at our declared time T = max(now + min_matchmaking_time, scheduled_time), capped at the deadline (our clock),
    and never sooner than now + request_timeout (followers need that long to reach us).
    Client-mode peers never declare and never lead.
 2. Read the bucket with `get(latest=True)` as soon as our declaration has landed (peers that
@@ -20,6 +20,11 @@ Theory of operation (the decisions live in `matchmaking_state.py`; this is the a
    its own deadline; if the leader disbands, vanishes or sends nonsense, it goes back to step 3.
 6. The round ends with a group, or with None at the deadline; we then withdraw the declaration
    (store `False` just after T) in the background.
+
+Rounds with a `round_tag` (e.g. "the state of epoch 12") meet only rounds with the same tag: the
+tag is what they declare, a round reads only declarations of its own tag, and leaders take only
+followers that ask with it. Otherwise a peer's round for one epoch could pair with a partner's
+round for the next, again and again, and average nothing.
 
 Every wait is bounded by request_timeout or the deadline. Skew between clocks changes who leads,
 not whether a group forms: seniority compares declared numbers, each leader times its own
@@ -107,7 +112,7 @@ class Matchmaking:
                                        target_group_size=target_group_size, min_group_size=min_group_size)
         self._rng = random.SystemRandom()
         self._max_poll_interval = min(1.0, max(0.1, min_matchmaking_time / 5))
-        self._running = False
+        self._one_round = asyncio.Lock()  # rounds run one at a time (a cancelled one may still unwind)
         self._wakeup = self._poll_now = None  # asyncio.Events of the current round
         self._view: dict[PeerID, float] = {}
         self._declared_until: float | None = None  # the latest time we declared this round
@@ -116,6 +121,8 @@ class Matchmaking:
         self._tasks: set[asyncio.Task] = set()
         self.last_leader: PeerID | None = None
         """The leader of the last group we formed (our own id if we led it)."""
+        self.last_round_alone = False
+        """Whether the last round ended early because no other peer was looking (see `alone_timeout`)."""
         self._register()
 
     # --- configuration ------------------------------------------------------------------------
@@ -159,35 +166,51 @@ class Matchmaking:
     # --- one round ----------------------------------------------------------------------------
 
     async def look_for_group(self, *, gather: bytes, deadline: float, scheduled_time: float | None = None,
-                             expected_group_size: int | None = None) -> GroupInfo | None:
+                             expected_group_size: int | None = None, alone_timeout: float | None = None,
+                             round_tag: bytes = b"") -> GroupInfo | None:
         """Find a group before `deadline` (event-loop time); None if there is none by then.
 
         `scheduled_time` (DHT time) is the earliest moment we want to assemble; by default
         now + min_matchmaking_time. With `expected_group_size`, a group does not form before that
-        time with fewer members. On success the group bits move on (see `next_group_bits`).
+        time with fewer members. With `alone_timeout`, the round gives up (None, and
+        `last_round_alone` is set) once it is that many seconds past the scheduled time with nobody
+        else in sight: no follower, and a fresh read of the bucket shows no other live declaration
+        (peers that failed to answer us do not count). With `round_tag`, only rounds with the same
+        tag meet (see the module comment). On success the group bits move on (see
+        `next_group_bits`).
+
+        Rounds run one at a time: a round started while the previous one is still unwinding (it
+        was cancelled and is withdrawing its declaration) waits for it to finish.
         """
-        if self._running:
-            raise RuntimeError("look_for_group is already running for this averager")
         if len(gather) > MAX_GATHER_BYTES:
             raise ValueError(f"gather of {len(gather)} bytes exceeds the {MAX_GATHER_BYTES}-byte limit")
+        async with self._one_round:
+            return await self._one_round_of_matchmaking(bytes(gather), deadline, scheduled_time,
+                                                        expected_group_size, alone_timeout, bytes(round_tag))
+
+    async def _one_round_of_matchmaking(self, gather: bytes, deadline: float, scheduled_time: float | None,
+                                        expected_group_size: int | None, alone_timeout: float | None,
+                                        round_tag: bytes) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
-        self._running, group, key = True, None, self.group_key
-        self._state.start(key, bytes(gather), expected_group_size)
+        group, key = None, self.group_key
+        self.last_round_alone = False
+        self._state.start(key, gather, expected_group_size, round_tag)
         self._wakeup, self._poll_now = asyncio.Event(), asyncio.Event()
         self._view, self._refused, self._declared_until = {}, {}, None
+        alone_after = None
+        if alone_timeout is not None:
+            alone_after = (scheduled_time if scheduled_time is not None
+                           else self._clock() + self.min_matchmaking_time) + alone_timeout
         poller = None
         try:
             if not self.client_mode:  # the store runs while we read the bucket and ask leaders
                 self._declare(key, deadline, scheduled_time, self.min_matchmaking_time)
             poller = loop.create_task(self._poll(key))
-            group = await self._match(key, deadline)
+            group = await self._match(key, deadline, alone_after)
             return group
-        finally:
+        finally:  # the synchronous part first: a second cancellation cannot skip it
             if self._state.phase in (Phase.LOOKING, Phase.FOLLOWING):
                 self._deliver(self._state.stop("the leader stopped looking for a group"))
-            if poller is not None:
-                poller.cancel()
-                await asyncio.gather(poller, return_exceptions=True)
             if self._declared_until is not None:
                 self._spawn(self._withdraw(key, self._declared_until, self._stores))
             self._stores = set()
@@ -195,9 +218,11 @@ class Matchmaking:
                 self.last_leader = self._state.leader
                 self._group_bits = next_group_bits(self._group_bits, group, self.peer_id,
                                                    self.target_group_size)
-            self._running = False
+            if poller is not None:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
 
-    async def _match(self, key: str, deadline: float) -> GroupInfo | None:
+    async def _match(self, key: str, deadline: float, alone_after: float | None) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         suggestion, redirects = None, 0
         while True:
@@ -208,6 +233,13 @@ class Matchmaking:
             view = self._view if self.assemble_when_all_joined else None
             if self._state.should_assemble(self._clock(), view):
                 return self._assemble()
+            if alone_after is not None and self._clock() >= alone_after:
+                if await self._nobody_else_looking(key):
+                    logger.debug(f"{self._state!r}: nobody else is looking for a group; giving up")
+                    self.last_round_alone = True
+                    return None
+                alone_after = self._clock() + self._max_poll_interval  # look again a little later
+                continue
             if self._own_time_passed() and not self._state.should_assemble(self._clock(), view):
                 if self._extend(key, deadline):
                     continue
@@ -222,11 +254,32 @@ class Matchmaking:
                 else:
                     redirects = 0
                 continue
+            wake_at = min(deadline, self._own_timer(), self._loop_time_of(alone_after))
             try:
-                async with asyncio.timeout_at(min(deadline, self._own_timer())):
+                async with asyncio.timeout_at(wake_at):
                     await self._wakeup.wait()
             except TimeoutError:
                 pass
+
+    async def _nobody_else_looking(self, key: str) -> bool:
+        """Alone: no follower, and a fresh read of the bucket shows no other live declaration of a
+        peer that has not failed us."""
+        if self._state.phase is not Phase.LOOKING or self._state.group_size > 1:
+            return False
+        view = await self._read_bucket(key)
+        if view is not None:
+            self._view = view
+        if self._state.phase is not Phase.LOOKING or self._state.group_size > 1:
+            return False  # someone joined us while we read
+        now = self._clock()
+        return not any(peer != self.peer_id and declared > now and not self._failed_us(peer)
+                       for peer, declared in self._view.items())
+
+    def _failed_us(self, peer: PeerID) -> bool:
+        """`peer` refused us for good, or broke a join request of ours (unreachable, timed out,
+        nonsense), under the declaration it still shows: it is not someone to wait for."""
+        refused = self._refused.get(peer)
+        return refused is not None and refused[1] == math.inf and refused[0] == self._view.get(peer)
 
     def _assemble(self) -> GroupInfo:
         group, notices = self._state.assemble(os.urandom(GROUP_ID_BYTES), self._rng.shuffle)
@@ -265,7 +318,8 @@ class Matchmaking:
         for attempt in range(2):  # a slow DHT (a loaded machine) gets one more chance
             try:
                 async with asyncio.timeout(self.request_timeout):
-                    stored = await self.dht_node.store(key, True, expiration, subkey=self.peer_id.to_bytes())
+                    stored = await self.dht_node.store(key, self._declared_value(), expiration,
+                                                       subkey=self.peer_id.to_bytes())
                 break
             except (TimeoutError, OSError) as error:
                 logger.debug(f"{self.peer_id.short()} could not declare itself under {key} "
@@ -288,6 +342,10 @@ class Matchmaking:
         logger.debug(f"{self._state!r}: not enough peers by our declared time, declaring a later one")
         self._declare(key, deadline, None, wait)
         return True
+
+    def _declared_value(self) -> bool | bytes:
+        """What we store as our declaration: True, or this round's tag."""
+        return self._state.round_tag or True
 
     async def _withdraw(self, key: str, expiration: float, stores: set[asyncio.Task]) -> None:
         """Store False just after our last declared time (once our own stores have landed)."""
@@ -337,10 +395,10 @@ class Matchmaking:
         except (TimeoutError, OSError) as error:
             logger.debug(f"{self.peer_id.short()} could not read {key}: {error!r}")
             return None
-        view = {}
+        view, wanted = {}, self._declared_value()
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
-                if entry.value is True and isinstance(subkey, bytes):
+                if type(entry.value) is type(wanted) and entry.value == wanted and isinstance(subkey, bytes):
                     try:
                         view[PeerID(subkey)] = float(entry.expiration_time)
                     except ValueError:
@@ -374,14 +432,20 @@ class Matchmaking:
         """Event-loop time at which our declared time comes (inf if none or already past)."""
         if self._state.declared is None or self._own_time_passed():
             return math.inf
-        return asyncio.get_running_loop().time() + (self._state.declared - self._clock())
+        return self._loop_time_of(self._state.declared)
+
+    def _loop_time_of(self, moment: float | None) -> float:
+        """The event-loop time of `moment` on our (DHT) clock; inf for None."""
+        if moment is None:
+            return math.inf
+        return asyncio.get_running_loop().time() + (moment - self._clock())
 
     async def _try_leader(self, leader: PeerID, deadline: float) -> GroupInfo | PeerID | None:
         """Ask `leader` to take us in. Returns the group, a leader to try next, or None."""
         loop = asyncio.get_running_loop()
         request = JoinRequest(self._state.group_key, self._state.schema_hash,
                               None if self.client_mode else self._state.declared, self._state.gather,
-                              self.client_mode)
+                              self.client_mode, self._state.round_tag)
         stream, reader = None, None
         try:
             async with asyncio.timeout_at(min(deadline, loop.time() + self.request_timeout)):

@@ -24,6 +24,7 @@ JOIN_PROTOCOL = "/plexus/averaging/join/1.0.0"
 MAX_GATHER_BYTES = 64 << 10
 MAX_GROUP_SIZE = 256
 MAX_SCHEMA_HASH_BYTES = 64
+MAX_ROUND_TAG_BYTES = 64
 MAX_GROUP_ID_BYTES = 64
 MAX_REASON_CHARS = 1024
 MAX_TIME_LEFT = 24 * 3600.0
@@ -68,9 +69,13 @@ class JoinRequest(Message):
     """Our declared time (DHT time by our clock); None for a client or an undeclared peer."""
     gather: bytes
     client_mode: bool = False
+    round_tag: bytes = b""
+    """Which round of the group key the requester is in (empty: any); leaders take only their own."""
 
     def __post_init__(self) -> None:
         check_group_key(self.group_key)
+        if len(self.round_tag) > MAX_ROUND_TAG_BYTES:
+            raise ValueError(f"round_tag of {len(self.round_tag)} bytes exceeds {MAX_ROUND_TAG_BYTES}")
         if len(self.schema_hash) > MAX_SCHEMA_HASH_BYTES:
             raise ValueError(f"schema_hash of {len(self.schema_hash)} bytes exceeds {MAX_SCHEMA_HASH_BYTES}")
         if self.expiration is not None and not math.isfinite(self.expiration):

@@ -80,6 +80,7 @@ class MatchmakingState:
         self.phase = Phase.IDLE
         self.group_key: str | None = None
         self.expected_group_size: int | None = None
+        self.round_tag = b""
         self.gather = b""
         self.declared: float | None = None
         self.leader: PeerID | None = None
@@ -87,15 +88,17 @@ class MatchmakingState:
 
     # --- our own round ------------------------------------------------------------------------
 
-    def start(self, group_key: str, gather: bytes, expected_group_size: int | None = None) -> None:
+    def start(self, group_key: str, gather: bytes, expected_group_size: int | None = None,
+              round_tag: bytes = b"") -> None:
         """Begin a round of matchmaking under `group_key`.
 
         `expected_group_size`: how many peers the caller knows will look for this round (e.g. the
         Optimizer's trainers); the group does not form early, before our declared time, with fewer.
+        `round_tag`: we take only followers that ask for the same round (e.g. the same epoch).
         """
         self._require(Phase.IDLE, Phase.ASSEMBLED)
         self.phase, self.group_key, self.gather = Phase.LOOKING, group_key, gather
-        self.expected_group_size = expected_group_size
+        self.expected_group_size, self.round_tag = expected_group_size, round_tag
         self.declared, self.leader, self._followers = None, None, {}
 
     def declare(self, expiration: float | None, now: float) -> list[Notice]:
@@ -177,6 +180,8 @@ class MatchmakingState:
             return JoinResponse.refusal(JoinCode.BAD_SCHEMA_HASH, "we average different tensors")
         if request.group_key != self.group_key:
             return JoinResponse.refusal(JoinCode.BAD_GROUP_KEY, f"I am looking under {self.group_key!r}")
+        if request.round_tag != self.round_tag:
+            return JoinResponse.refusal(JoinCode.BAD_GROUP_KEY, f"I am in round {self.round_tag!r}")
         if self.phase is Phase.FOLLOWING:
             return JoinResponse.refusal(JoinCode.NOT_A_LEADER, "I follow another peer", self.leader)
         if self.declared is None:

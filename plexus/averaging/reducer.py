@@ -61,6 +61,10 @@ class SenderExcluded(Exception):
     """A reducer excluded a sender from the rest of the round; the text says why (sent to it)."""
 
 
+EXCLUDED_YOU = "excluded you from all-reduce"
+"""Begins the error text a reducer sends a sender it goes on without (the others' round goes on)."""
+
+
 class _Channel:
     """One remote sender's stream at this reducer: answers waiting to be written, its reader."""
 
@@ -191,8 +195,8 @@ class SpanReducer:
         completed = self.core.exclude(sender, reason, asyncio.get_running_loop().time())
         channel = self.channels.get(sender)
         if channel is not None:
-            channel.push(SenderExcluded(f"{self.round.host.peer_id.short()} excluded you from all-reduce "
-                                        f"{self.tag}: {reason}"))
+            channel.push(SenderExcluded(f"{EXCLUDED_YOU} {self.tag} ({self.round.host.peer_id.short()}): "
+                                        f"{reason}"))
             channel.close()
             if channel.reader is not None and channel.reader is not asyncio.current_task():
                 channel.reader.cancel()
@@ -330,7 +334,7 @@ class SpanReducer:
         except TimeoutError:
             raise SenderExcluded("this peer has not started the round; is the group id stale?") from None
         if sender in self.core.excluded:
-            raise SenderExcluded(f"excluded from all-reduce {self.tag}: {self.core.excluded[sender]}")
+            raise SenderExcluded(f"{EXCLUDED_YOU} {self.tag}: {self.core.excluded[sender]}")
         if sender in self.channels:
             raise SenderExcluded("a second stream from the same sender; one per reducer and round")
         channel = self.channels[sender] = _Channel(stream)

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from ..averaging.aggregation import RobustAggregation
-from ..averaging.averager import AveragingError
+from ..averaging.averager import AveragingError, LeftOutError
 from ..averaging.control import AveragingStage, StepControl
 from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
@@ -66,6 +66,14 @@ from ..p2p.identity import PeerID
 from ..utils.logging import RateLimitedLog, get_logger
 from ..utils.tensors import all_finite
 from ..utils.timing import get_dht_time
+from .epoch_policy import (
+    EpochAction,
+    after_gradient_round,
+    gradient_weight,
+    overtaken,
+    should_load_state,
+    state_weight,
+)
 from .grad_averager import GradientAverager, GradientAveragerFactory
 from .grad_scaler import GradScaler
 from .progress_tracker import ProgressTracker
@@ -153,9 +161,11 @@ class Optimizer(torch.optim.Optimizer):
                **(tracker_opts or {})})
         self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (weights: its samples)
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
+        self._scheduled_state: tuple[int, StepControl] | None = None  # local updates: (epoch, state round)
         self._triggered_grads: StepControl | None = None  # the last round we triggered (may run on, delayed)
         self._state_round = None  # a background state round whose outcome is not logged yet
         self._must_load_state = False  # a gradient round showed that we are behind
+        self._load_at_least = 0  # ...and at least which epoch the swarm reached
         self._next_load_attempt = 0.0  # time.monotonic() before which a failed catch-up is not retried
         self._samples_contributed = 0
         self._losses: list[float] = []
@@ -163,6 +173,8 @@ class Optimizer(torch.optim.Optimizer):
         """How many times this peer replaced its state with the swarm's (it was behind)."""
         self.rounds_averaged = 0
         """How many gradient rounds succeeded with this peer's contribution."""
+        self.rounds_failed = 0
+        """How many gradient rounds failed, so that this peer stepped on its own gradients."""
         self.nonfinite_batches = 0
         """How many local batches were dropped because their gradients held NaN or inf."""
         # torch's own set-up (hooks, profiling); the real groups and state belong to the wrapped optimizer
@@ -290,6 +302,8 @@ class Optimizer(torch.optim.Optimizer):
             self.state_averager.step(apply_delayed_updates=True)
         if self.use_gradient_averaging:
             self._maybe_schedule_gradient_averaging()
+        elif self.use_local_updates:
+            self._maybe_schedule_state_averaging()
 
         if self.tracker.ready_to_update_epoch and self._still_ready_after_a_fresh_look():
             self._update_global_epoch(grad_scaler)
@@ -345,16 +359,15 @@ class Optimizer(torch.optim.Optimizer):
         tracker's estimate never falls below our own epoch), so any peer at a newer epoch means
         the swarm stepped without us. A load that left us behind (no donor yet, or a dead peer's
         record) is retried only after `max_refresh_period`, not at every batch."""
-        if self._must_load_state:
-            return True
-        behind = self.local_epoch < self.tracker.global_progress.epoch
-        return behind and time.monotonic() >= self._next_load_attempt
+        return should_load_state(self.local_epoch, self.tracker.global_progress.epoch,
+                                 must_load=self._must_load_state, now=time.monotonic(),
+                                 next_attempt=self._next_load_attempt)
 
     def _follow_swarm_epoch(self) -> None:
         """An auxiliary peer holds no model of its own to fix: it just moves to the swarm's epoch."""
         epoch = self.tracker.global_progress.epoch
         if epoch > self.local_epoch:
-            self._release_scheduled_grads()
+            self._release_scheduled_rounds()
             self.state_averager.local_epoch = epoch
             self.state_averager.step(apply_delayed_updates=True)  # catches the scheduler up
             self._set_epoch_everywhere()
@@ -367,15 +380,42 @@ class Optimizer(torch.optim.Optimizer):
             self._scheduled_grads = self._schedule_gradient_round(
                 max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1))
 
+    def _maybe_schedule_state_averaging(self) -> None:
+        """With local updates the state round is the swarm's only round: as for gradient rounds, its
+        matchmaking starts ahead of the epoch's end, so the parameters are averaged at the boundary
+        (and the result is applied within a batch), not a matchmaking time later while the peers
+        drift on apart."""
+        progress = self.tracker.global_progress
+        next_epoch = self.local_epoch + 1
+        eta = self.tracker.estimated_next_update_time - get_dht_time()
+        if progress.num_peers > 1 and eta <= self.matchmaking_time and self._scheduled_state is None \
+                and next_epoch % self.average_state_every == 0 and not self.state_averager.averaging_in_progress:
+            control = self.state_averager.schedule_step(
+                max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1),
+                gather=[next_epoch, None], **self._state_round_options(next_epoch))
+            self._scheduled_state = (next_epoch, control)
+
+    def _state_round_options(self, epoch: int) -> dict:
+        """A state round for `epoch`: it meets only rounds for the same epoch, takes complete results
+        only, weighs by `epoch_policy.state_weight`, and ends when nobody else is looking."""
+        return dict(timeout=self.averaging_timeout, expected_group_size=self._expected_group_size(),
+                    accept_partial=False, weight_for_group=functools.partial(state_weight, epoch),
+                    round_tag=f"epoch {epoch}".encode(), alone_timeout=self.state_averager.request_timeout)
+
     def _schedule_gradient_round(self, scheduled_time: float | None = None) -> StepControl:
         """Matchmaking for this epoch's gradients. Members gather their epoch; a peer that finds a
-        member at a newer epoch contributes with weight 0 (see `_withdraw_if_behind`), so the
-        gradients of peers at different epochs are never mixed."""
+        member at a newer epoch contributes with weight 0 (`epoch_policy.gradient_weight`), so the
+        gradients of peers at different epochs are never mixed. A round whose all-reduce lost a
+        span is retried with whoever is left (every success is the same result for all members),
+        and a round that finds nobody else looking one request_timeout after its scheduled time (a
+        declaration may still be landing) ends then, rather than at its deadline."""
         epoch = self._gradient_epoch = self.local_epoch
         control = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout,
                                                    gather=None if self.auxiliary else epoch,
-                                                   expected_group_size=self._expected_group_size())
-        control.weight_for_group = functools.partial(_withdraw_if_behind, epoch)
+                                                   expected_group_size=self._expected_group_size(),
+                                                   accept_partial=False,
+                                                   alone_timeout=self.grad_averager.request_timeout)
+        control.weight_for_group = functools.partial(gradient_weight, epoch)
         return control
 
     def _expected_group_size(self) -> int:
@@ -384,10 +424,16 @@ class Optimizer(torch.optim.Optimizer):
         themselves an epoch behind)."""
         return max(2, self.tracker.global_progress.num_peers)
 
-    def _release_scheduled_grads(self) -> None:
-        """Leave a pre-scheduled gradient round without holding anyone up: a group that is formed
-        gets our trigger with weight 0 (it averages without us); a search still running is cancelled."""
+    def _release_scheduled_rounds(self) -> None:
         control, self._scheduled_grads = self._scheduled_grads, None
+        self._release(control)
+        scheduled, self._scheduled_state = self._scheduled_state, None
+        if scheduled is not None:
+            self._release(scheduled[1])
+
+    def _release(self, control: StepControl | None) -> None:
+        """Leave a pre-scheduled round without holding anyone up: a group that is formed gets our
+        trigger with weight 0 (it averages without us); a search still running is cancelled."""
         if control is None or control.done():
             return
         if control.stage == AveragingStage.AWAITING_TRIGGER and not control.triggered:
@@ -413,7 +459,7 @@ class Optimizer(torch.optim.Optimizer):
                 behind = outcome is _BEHIND
                 wait_for_trigger = None if behind else outcome
             if not behind:
-                self._step_state(progress, swarm_has_peers, wait_for_trigger, grad_scaler)
+                self._step_state(swarm_has_peers, wait_for_trigger, grad_scaler)
         if behind:
             logger.log(self.status_loglevel, "Peers averaged gradients for a newer epoch: this peer is behind "
                                              "and downloads the state instead of stepping")
@@ -421,20 +467,28 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._log_transition()
 
-    def _step_state(self, progress, swarm_has_peers: bool, wait_for_trigger, grad_scaler) -> None:
-        next_epoch = max(self.local_epoch + 1, progress.epoch)
+    def _step_state(self, swarm_has_peers: bool, wait_for_trigger, grad_scaler) -> None:
+        next_epoch = self.local_epoch + 1
+        # a state round of an earlier epoch that has not even found its group is of no use now, and
+        # the optimizer step would wait for it (up to averaging_timeout, e.g. for a peer that died)
+        self.state_averager.cancel_unstarted_rounds()
         average_state = (swarm_has_peers and next_epoch % self.average_state_every == 0
                          and not self.state_averager.averaging_in_progress)
+        scheduled, self._scheduled_state = self._scheduled_state, None
+        control = scheduled[1] if scheduled is not None else None
+        if control is not None and not (average_state and scheduled[0] == next_epoch and not control.done()):
+            self._release(control)
+            control = None
         output = self.state_averager.step(
             increment_epoch=True, wait_for_trigger=wait_for_trigger,
             optimizer_step=not self.auxiliary and not self.use_local_updates,
             zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
             delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
             delay_averaging=self.delay_state_averaging or self.delay_optimizer_step,  # auxiliary too: it only helps
-            averaging_opts=dict(timeout=self.averaging_timeout, gather=next_epoch,
-                                expected_group_size=self._expected_group_size(),
-                                weight_for_group=functools.partial(_keep_unless_same_epoch, next_epoch))
-            if average_state else None,
+            averaging_control=control,
+            averaging_opts=dict(gather=functools.partial(_epoch_and_digest, next_epoch),
+                                **self._state_round_options(next_epoch))
+            if average_state and control is None else None,
             grad_scaler=grad_scaler)
         self._log_finished_state_rounds()  # a new round waited for the previous one
         if average_state:
@@ -444,15 +498,14 @@ class Optimizer(torch.optim.Optimizer):
         if output:
             logger.log(self.status_loglevel, f"Averaged parameters with {len(output)} peers")
             self._state_round = None
-        if self.state_averager.local_epoch < progress.epoch:  # a peer stepping alone catches up on the count
-            self.state_averager.local_epoch = progress.epoch
         self._set_epoch_everywhere()
         if self.use_local_updates:
             self._report(0)
 
     def _set_epoch_everywhere(self) -> None:
+        """The tracker and the gradient averager's priority follow our epoch (the state averager's
+        priority follows the state it holds: see TrainingStateAverager)."""
         self.tracker.update_epoch(self.local_epoch)
-        self.state_averager.state_sharing_priority = self.local_epoch
         if self.grad_averager is not None:
             self.grad_averager.state_sharing_priority = self.local_epoch
 
@@ -468,9 +521,7 @@ class Optimizer(torch.optim.Optimizer):
                 grad_scaler.unscale_(self)
         control, self._scheduled_grads = self._scheduled_grads, None
         if not swarm_has_peers:
-            if control is not None and not control.done():
-                self._scheduled_grads = control
-                self._release_scheduled_grads()
+            self._release(control)
             self.grad_averager.load_accumulators_into_averager_()
             self.grad_averager.reset_accumulated_grads_()
             return None if self.offload_optimizer else self._averaged_gradients_into_params()
@@ -484,22 +535,29 @@ class Optimizer(torch.optim.Optimizer):
         moved_on = epoch + 1 if self.delay_grad_averaging else epoch
 
         def wait_for_gradients() -> bool:
-            """Wait for the round; True when it showed that this peer is behind the swarm."""
+            """Wait for the round; True when it showed that this peer is behind and must not step."""
+            gathered, reason, left_out = None, None, False
             try:
                 gathered = self._wait_for_round(control, moved_on)
-                if gathered is None:  # the swarm averaged this epoch without us and moved on
-                    self._must_load_state = True
-                    return True
+                if gathered is None:
+                    reason, left_out = "the swarm averaged this epoch without us and moved on", True
+            except LeftOutError as error:
+                reason, left_out = str(error), True
             except (AveragingError, TimeoutError, ConnectionError, concurrent.futures.CancelledError) as error:
                 reason = str(error) or f"no result within {self.averaging_timeout} s"
-                logger.log(self.status_loglevel, f"Proceeding with local gradients: {reason}")
-                return False
             except Exception as error:  # never let a broken round stop training
-                logger.warning(f"Proceeding with local gradients: the round failed with {error!r}")
-                return False
-            if _newest_epoch(gathered, epoch) > epoch:
+                logger.warning(f"The gradient round failed with {error!r}")
+                reason = repr(error)
+            swarm_moved_on = gathered is None and (left_out or overtaken(moved_on, self._fresh_swarm_epoch()))
+            action = after_gradient_round(epoch, gathered, swarm_moved_on)
+            if action is EpochAction.LOAD_STATE:
                 self._must_load_state = True  # also read by step() when this ran in the background
+                self._load_at_least = max(self._load_at_least, epoch + 1)  # where the group went
                 return True
+            if action is EpochAction.STEP_LOCAL:
+                logger.log(self.status_loglevel, f"Proceeding with local gradients: {reason}")
+                self.rounds_failed += 1
+                return False
             logger.log(self.status_loglevel, f"Averaged gradients with {len(gathered)} peers")
             self.rounds_averaged += 1
             return False
@@ -510,6 +568,14 @@ class Optimizer(torch.optim.Optimizer):
             self.grad_averager.notify_used_averaged_gradients()
             return _BEHIND
         return None if self.offload_optimizer else self._averaged_gradients_into_params()
+
+    def _fresh_swarm_epoch(self) -> int:
+        """The swarm's epoch, read from the DHT now (the last estimate if that fails)."""
+        try:
+            return self.tracker.fetch_global_progress_now(timeout=self.averaging_timeout).epoch
+        except Exception as error:  # the DHT may be briefly unreachable: the last estimate will do
+            logger.debug(f"could not read the swarm's progress: {error!r}")
+            return self.tracker.global_progress.epoch
 
     def _wait_for_round(self, control: StepControl, epoch: int) -> dict | None:
         """The round's result; None if, while we were still looking for a group, the tracker showed
@@ -526,7 +592,7 @@ class Optimizer(torch.optim.Optimizer):
             if control.began_allreduce:
                 continue
             progress = self.tracker.global_progress
-            if progress.epoch > epoch:
+            if overtaken(epoch, progress.epoch):
                 control.cancel()
                 control.wait_ended()
                 return None
@@ -580,10 +646,10 @@ class Optimizer(torch.optim.Optimizer):
 
         Donors still at an older epoch than the swarm's (as the tracker knows it) are not adopted:
         the load fails and is retried later, rather than download a state that is behind already."""
-        self._release_scheduled_grads()
+        self._release_scheduled_rounds()
         self._must_load_state = False
         with self.tracker.pause_updates():
-            kwargs.setdefault("min_epoch", self.tracker.global_progress.epoch)
+            kwargs.setdefault("min_epoch", max(self.tracker.global_progress.epoch, self._load_at_least))
             try:
                 loaded = self.state_averager.load_state_from_peers(timeout=self.load_state_timeout, **kwargs)
             except StateLoadError as error:
@@ -604,9 +670,10 @@ class Optimizer(torch.optim.Optimizer):
         """Leave the swarm: withdraw our progress record, finish or cancel background rounds (at
         most `shutdown_timeout` s; rounds still matchmaking are cancelled at once), stop averagers."""
         logger.log(self.status_loglevel, "Sending goodbye to peers...")
-        control, self._scheduled_grads = self._scheduled_grads, None
-        if control is not None:
-            control.cancel()
+        for control in (self._scheduled_grads, self._scheduled_state and self._scheduled_state[1]):
+            if control is not None:
+                control.cancel()
+        self._scheduled_grads = self._scheduled_state = None
         self.tracker.shutdown(self.shutdown_timeout)
         if not self.state_averager.finish_background_work(self.shutdown_timeout):
             logger.warning(f"background averaging did not finish within {self.shutdown_timeout} s; left it")
@@ -632,22 +699,9 @@ def _idle(control) -> bool:
     return control is None or control.done()
 
 
-def _newest_epoch(gathered: dict, default: int) -> int:
-    epochs = [e for e in gathered.values() if isinstance(e, int) and not isinstance(e, bool)]
-    return max(epochs, default=default)
-
-
-def _withdraw_if_behind(epoch: int, gathered: dict, weight: float) -> float:
-    """StepControl.weight_for_group: contribute nothing to a group that holds a newer epoch."""
-    return 0.0 if _newest_epoch(gathered, epoch) > epoch else weight
-
-
-def _keep_unless_same_epoch(epoch: int, gathered: dict, weight: float) -> float:
-    """StepControl.weight_for_group of state rounds: if members are at different epochs, every member
-    (each sees the same group) contributes weight 0, and the all-reduce leaves all states as they
-    were, instead of averaging parameters that differ by whole optimizer steps."""
-    epochs = set(gathered.values())
-    return weight if epochs <= {epoch} else 0.0
+def _epoch_and_digest(epoch: int, digest: str) -> list:
+    """What a state round gathers (see `epoch_policy.state_weight`)."""
+    return [epoch, digest]
 
 
 def _check_options(client_mode, auxiliary, offload_optimizer, delay_optimizer_step, delay_grad_averaging,

@@ -174,7 +174,8 @@ class PowerSGDGradientAverager(GradientAverager):
 
     # --- the round: two all-reduce phases in one group -----------------------------------------
 
-    async def _run_allreduce(self, group, weight: float) -> dict[PeerID, Any]:
+    async def _run_allreduce(self, group, weight: float, accept_partial: bool = True) -> dict[PeerID, Any]:
+        # accept_partial does not apply: a phase with a failed span always fails (PowerSGDPhaseError)
         members = [MSGPackSerializer.loads(data) for data in group.gathered]
         for member in members:
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):

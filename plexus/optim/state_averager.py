@@ -15,8 +15,10 @@ single-thread executors, one stage each:
 
 - stage A, the optimizer stage: wait for `wait_for_trigger`, optimizer step, zero_grad, catch the
   scheduler up to the epoch the call asked for;
-- stage B, the averaging stage: start matchmaking at once (or use a pre-scheduled `StepControl`),
-  wait for A, load the local tensors, release the all-reduce, wait for the result, apply it.
+- stage B, the averaging stage: wait for A, load the local tensors, start matchmaking (or use a
+  pre-scheduled `StepControl`), release the all-reduce, wait for the result, apply it. Matchmaking
+  starts after the optimizer step so that what members gather may describe the stepped state
+  (`gather` may be a function of `state_digest` of the loaded tensors).
 
 Without the delta rule, stage A of a call waits for stage B of the call before it, so results are
 never applied over a newer optimizer step; with it, A runs while B averages. Stage B runs one round
@@ -43,9 +45,13 @@ Blocking. `step()` blocks for what is not delayed, for earlier work when a new r
 optimizer step before it hands over new gradients. `load_state_from_peers()` blocks on the
 network; `schedule_step()` does not. None may be called from the event loop's own thread.
 
-Epochs. `local_epoch` counts global steps; it is the state-sharing priority, so newcomers prefer
-the most advanced donors. The scheduler is stepped until ``scheduler._step_count > epoch``: the
-k-th optimizer step uses the learning rate of epoch k-1, and a peer that loads epoch e gets lr(e).
+Epochs. `local_epoch` counts global steps. What is shared names the epoch of the state it holds:
+`step(increment_epoch=True)` moves `local_epoch` at once, but the shared epoch (the metadata and
+the state-sharing priority, by which newcomers choose the most advanced donor) moves only with the
+optimizer step of that epoch, under the lock that covers the step, so a newcomer never downloads
+an epoch number with the parameters of the epoch before (it would then be one step short for
+good). The scheduler is stepped until ``scheduler._step_count > epoch``: the k-th optimizer step
+uses the learning rate of epoch k-1, and a peer that loads epoch e gets lr(e).
 
 Loading state: parameters, extra tensors and the optimizer's state dict (tensors flattened out of
 it, the rest in the metadata; see `optimizer_state`). A donor whose epoch is behind ours is refused;
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -70,6 +77,7 @@ from ..averaging.averager import AveragingError, DecentralizedAverager
 from ..averaging.control import StepControl
 from ..averaging.state_download import StateDownloadError
 from ..compression import CompressionInfo, TensorRole
+from ..compression.base import contiguous_cpu, tensor_bytes_view
 from ..utils.logging import get_logger
 from ..utils.performance_ema import PerformanceEMA
 from ..utils.serializer import MSGPackSerializer, SerializationError
@@ -151,6 +159,7 @@ class TrainingStateAverager(DecentralizedAverager):
         self.scheduler = self._make_scheduler(scheduler)
 
         self._local_epoch = 0
+        self._state_epoch = 0  # the epoch of the state as shared (see "Epochs" above)
         self.delay_before_averaging = PerformanceEMA(alpha=performance_ema_alpha)
         self._opt_versions = [0, 0]  # [changes to the optimizer's copies, of them applied to the model]
         self._pending_result: tuple[str, list[torch.Tensor]] | None = None  # a round not applied yet
@@ -254,8 +263,14 @@ class TrainingStateAverager(DecentralizedAverager):
 
     @local_epoch.setter
     def local_epoch(self, epoch: int) -> None:
-        self._local_epoch = int(epoch)
+        """Set the epoch of the state as it is now (a loaded state, a caller's own count)."""
+        self._local_epoch = self._state_epoch = int(epoch)
         self.state_sharing_priority = self._local_epoch
+
+    def _set_state_epoch(self, epoch: int) -> None:
+        """The state now holds `epoch`'s optimizer step (call with the lock held)."""
+        self._state_epoch = max(self._state_epoch, epoch)
+        self.state_sharing_priority = self._state_epoch
 
     @property
     def averaging_in_progress(self) -> bool:
@@ -341,7 +356,8 @@ class TrainingStateAverager(DecentralizedAverager):
         2. `increment_epoch` (now, whatever else is delayed);
         3. in the background: `wait_for_trigger()`, the optimizer step, zero_grad, the scheduler,
            then an averaging round (`averaging_round`, `averaging_control`, `averaging_opts` for
-           `DecentralizedAverager.step`, e.g. timeout);
+           `DecentralizedAverager.step`, e.g. timeout; its `gather` may be a function, called
+           with the `state_digest` of the tensors about to be averaged, that returns the gather);
         4. wait for the optimizer step unless `delay_optimizer_step` (offloading only), and for the
            round unless `delay_averaging` (default: `delay_optimizer_step`).
 
@@ -372,8 +388,11 @@ class TrainingStateAverager(DecentralizedAverager):
             self._apply_pending_result()
             self._sync_model_parameters()
 
-        if increment_epoch:
-            self.local_epoch += 1
+        if increment_epoch:  # shared once the state holds it: with the optimizer step, or now
+            self._local_epoch += 1
+            if not optimizer_step:
+                with self.get_tensors():
+                    self._set_state_epoch(self._local_epoch)
         target_epoch = self.local_epoch
         if not optimizer_step and self.scheduler is not None:
             previous = self._last_optimizer_stage
@@ -461,6 +480,7 @@ class TrainingStateAverager(DecentralizedAverager):
                     self.optimizer.zero_grad()
             self._update_scheduler(epoch)
             if optimizer_step:
+                self._set_state_epoch(epoch)
                 self._state_changed()
 
     def _averaging_stage(self, optimizer_stage, control: StepControl | None, started: float, opts: dict):
@@ -469,21 +489,25 @@ class TrainingStateAverager(DecentralizedAverager):
             self._controls.discard(control)
             control = None
         try:
-            if control is None:
-                opts.setdefault("gather", self.local_epoch)
-                control = DecentralizedAverager.step(self, require_trigger=True, wait=False, **opts)
-                self._controls.add(control)
             if optimizer_stage is not None:
                 try:
                     optimizer_stage.result()
                 except BaseException as error:
                     logger.error(f"Cancelled the state averaging round: the optimizer stage failed with {error!r}")
-                    control.cancel()
+                    if control is not None:
+                        control.cancel()
                     return None
             with torch.no_grad(), self.get_tensors() as averaged:
                 for buffer, local in zip(averaged, self._local_tensors()):
                     buffer.copy_(local)
                 loaded = [buffer.clone() for buffer in averaged] if self.delta_rule_averaging else None
+                gather = opts.get("gather", self.local_epoch)
+                if callable(gather):  # what members exchange may depend on the state itself
+                    opts["gather"] = gather(state_digest(averaged))
+            if control is None:
+                opts.setdefault("gather", self.local_epoch)
+                control = DecentralizedAverager.step(self, require_trigger=True, wait=False, **opts)
+                self._controls.add(control)
             self.delay_before_averaging.timestamp = started
             self.delay_before_averaging.update(1)
             control.allow_allreduce()
@@ -521,20 +545,30 @@ class TrainingStateAverager(DecentralizedAverager):
         """Before leaving: cancel rounds that have not begun their all-reduce (nobody waits for a
         member that never sent), wait up to `timeout` s for the rest (optimizer steps, all-reduces
         under way) and apply what finished. Returns False if work was still running at the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for control in list(self._controls):
-                if not control.began_allreduce:
-                    control.cancel()
-            pending = [future for future in self._pending if not future.done()]
-            left = deadline - time.monotonic()
-            if not pending or left <= 0:
-                break
-            concurrent.futures.wait(pending, timeout=min(left, 0.1))  # a stage may create its round late
+        self._cancel_rounds_and_wait(timeout)
         self._collect_finished()
         self._apply_pending_result()
         self._sync_model_parameters()
         return not any(not future.done() for future in self._pending)
+
+    def cancel_unstarted_rounds(self) -> None:
+        """Cancel the rounds still looking for a group (their all-reduce has not begun); returns at once."""
+        for control in list(self._controls):
+            if not control.began_allreduce:
+                control.cancel()
+
+    def _cancel_rounds_and_wait(self, timeout: float | None = None) -> None:
+        """Cancel rounds that have not begun their all-reduce, and wait (up to `timeout` s) for every
+        background stage; a stage may start its round late (after its optimizer step), so look again
+        while waiting."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.cancel_unstarted_rounds()
+            pending = [future for future in self._pending if not future.done()]
+            left = None if deadline is None else deadline - time.monotonic()
+            if not pending or (left is not None and left <= 0):
+                return
+            concurrent.futures.wait(pending, timeout=0.1 if left is None else min(left, 0.1))
 
     def _wait_for_pending(self) -> None:
         """Wait for every background stage (each is bounded: rounds by their timeout)."""
@@ -553,7 +587,7 @@ class TrainingStateAverager(DecentralizedAverager):
     def get_current_state(self):
         """(metadata, tensors, infos): parameters, extra tensors, optimizer state. Lock held by the caller."""
         optimizer_metadata, optimizer_tensors = flatten_optimizer_state(self.optimizer)
-        metadata = dict(epoch=self.local_epoch, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata)
+        metadata = dict(epoch=self._state_epoch, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata)
         params = self._optimized_parameters()
         infos = [CompressionInfo.from_tensor(p, key=n, role=TensorRole.PARAMETER)
                  for p, n in zip(params, self.parameter_names)]
@@ -588,10 +622,7 @@ class TrainingStateAverager(DecentralizedAverager):
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         with self._load_lock:
-            for control in list(self._controls):
-                if not control.began_allreduce:
-                    control.cancel()
-            self._wait_for_pending()
+            self._cancel_rounds_and_wait()
             self._collect_finished()
             failures = []
             for attempt in range(1, max_attempts + 1):
@@ -670,3 +701,11 @@ class TrainingStateAverager(DecentralizedAverager):
 
 def _as_params(params) -> Iterable[torch.Tensor]:
     return [params] if isinstance(params, torch.Tensor) else params
+
+
+def state_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A short hash of CPU tensors' bytes: peers whose states have the same digest hold the same state."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for tensor in tensors:
+        hasher.update(tensor_bytes_view(contiguous_cpu(tensor)))
+    return hasher.hexdigest()

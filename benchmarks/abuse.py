@@ -81,8 +81,15 @@ from plexus.utils.timing import get_dht_time  # noqa: E402
 
 LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 SYBIL_IP = "127.0.0.66"  # another address of this machine: every 127/8 address is the loopback's
-ATTACKS = ("conn-flood", "ping-flood", "key-flood", "subkey-stuffing", "sybils", "sybils-one-address",
-           "moe-flood")
+ATTACKS = (
+    "conn-flood",
+    "ping-flood",
+    "key-flood",
+    "subkey-stuffing",
+    "sybils",
+    "sybils-one-address",
+    "moe-flood",
+)
 FLOODS = ("conn-flood", "ping-flood", "key-flood", "subkey-stuffing", "moe-flood")
 EXPERT_UID = "ffn.0"
 FLOOD_KEYS = 100_000
@@ -97,6 +104,7 @@ def node_options(attack: str) -> dict:
     if attack != "sybils-one-address" or "diversity" not in inspect.signature(DHTNode.create).parameters:
         return {}
     from plexus.dht.diversity import DiversityOptions
+
     return {"diversity": DiversityOptions(exempt_networks=("127.0.0.1/32",))}
 
 
@@ -106,6 +114,7 @@ def say(**fields) -> None:
 
 
 # --- the victims (separate processes) ------------------------------------------------------------
+
 
 async def dht_victim(args) -> None:
     host = await Host(host_maddrs=LISTEN).start()
@@ -121,8 +130,12 @@ async def moe_victim(args) -> None:
     host = await Host(host_maddrs=LISTEN).start()
     module = name_to_block["ffn"](args.hidden)
     sample = name_to_input["ffn"](args.max_batch, args.hidden)
-    backend = ModuleBackend(EXPERT_UID, module, args_schema=(BatchTensorDescriptor.from_tensor(sample),),
-                            max_batch_size=args.max_batch)
+    backend = ModuleBackend(
+        EXPERT_UID,
+        module,
+        args_schema=(BatchTensorDescriptor.from_tensor(sample),),
+        max_batch_size=args.max_batch,
+    )
     server = Server(host, {EXPERT_UID: backend})
     await asyncio.to_thread(server.start)
     say(maddr=str(host.get_listen_maddrs()[0].with_peer_id(host.peer_id)))
@@ -131,6 +144,7 @@ async def moe_victim(args) -> None:
 
 
 # --- the attacks (a separate process) --------------------------------------------------------------
+
 
 async def target_of(args) -> tuple[Multiaddr, object]:
     addr = Multiaddr(args.target)
@@ -258,6 +272,7 @@ async def sybils(args) -> None:
     options = {"cache_refresh_before_expiry": 0, "wait_timeout": 10.0}
     if "liveness" in inspect.signature(DHTNode.create).parameters:
         from plexus.dht.liveness import LivenessOptions
+
         options["liveness"] = LivenessOptions(stale_after=None, sweep_interval=None)
     nodes, failures, slots = [], [], asyncio.Semaphore(16)
 
@@ -319,8 +334,17 @@ def attacker(args):
 
 # --- the honest side (this process) ----------------------------------------------------------------
 
-ROLE_FLAGS = ("hidden", "max_batch", "threads", "sybils", "silent_connections", "flood_connections",
-              "flood_peers", "attacker_priority", "attack")
+ROLE_FLAGS = (
+    "hidden",
+    "max_batch",
+    "threads",
+    "sybils",
+    "silent_connections",
+    "flood_connections",
+    "flood_peers",
+    "attacker_priority",
+    "attack",
+)
 
 
 class Role:
@@ -337,8 +361,11 @@ class Role:
     async def start(cls, role: str, args, **extra) -> "Role":
         flags = [f"--{name.replace('_', '-')}={value}" for name, value in extra.items()]
         common = {name: getattr(args, name) for name in ROLE_FLAGS}
-        flags += [f"--{name.replace('_', '-')}={value}" for name, value in common.items()
-                  if name not in extra and value is not None]
+        flags += [
+            f"--{name.replace('_', '-')}={value}"
+            for name, value in common.items()
+            if name not in extra and value is not None
+        ]
         command = [sys.executable, os.path.abspath(__file__), f"--role={role}", *flags]
         process = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
         return cls(process)
@@ -386,8 +413,9 @@ async def timed(coroutine) -> tuple[float, object]:
     return (time.perf_counter() - started) * 1e3, result
 
 
-async def honest_dht_loop(client: DHTNode, victim_peer, shared_key: str, seconds: float, victim: Role,
-                          round_number: list) -> Measured:
+async def honest_dht_loop(
+    client: DHTNode, victim_peer, shared_key: str, seconds: float, victim: Role, round_number: list
+) -> Measured:
     measured, deadline = Measured(), time.monotonic() + seconds
     me = f"honest-{client.peer_id.short()}"
     while time.monotonic() < deadline:
@@ -397,9 +425,13 @@ async def honest_dht_loop(client: DHTNode, victim_peer, shared_key: str, seconds
             (client.store(f"key-{i}", i, expiration), lambda found: found is True),
             (client.get(f"key-{i - 1}"), lambda found, i=i: getattr(found, "value", None) == i - 1),
             (client.store(shared_key, i, expiration, subkey=me), lambda found: found is True),
-            (client.get(shared_key, latest=True),
-             lambda found, i=i: isinstance(getattr(found, "value", None), dict)
-             and getattr(found.value.get(me), "value", None) == i),
+            (
+                client.get(shared_key, latest=True),
+                lambda found, i=i: (
+                    isinstance(getattr(found, "value", None), dict)
+                    and getattr(found.value.get(me), "value", None) == i
+                ),
+            ),
         ]
         for operation, check in operations:
             started = time.monotonic()
@@ -442,12 +474,14 @@ async def run_dht_attack(name: str, args) -> dict:
         for _ in range(args.honest - 1):
             host = await dialing_host(target, LISTEN)
             hosts.append(host)
-            nodes.append(await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[target.peer_id],
-                                              **options))
+            nodes.append(
+                await DHTNode.create(rpc=HostDHTTransport(host), initial_peers=[target.peer_id], **options)
+            )
         client_host = await dialing_host(target)
         hosts.append(client_host)
-        client = await DHTNode.create(rpc=HostDHTTransport(client_host), initial_peers=[target.peer_id],
-                                      client_mode=True, **options)
+        client = await DHTNode.create(
+            rpc=HostDHTTransport(client_host), initial_peers=[target.peer_id], client_mode=True, **options
+        )
         nodes.append(client)
         shared = shared_key_near(first["node_id"], [first["node_id"]] + [int(n.node_id) for n in nodes[:-1]])
         round_number = [0]
@@ -466,20 +500,30 @@ async def run_dht_attack(name: str, args) -> dict:
                 table_before = victim.lines[-1][1]["table"]
                 attacker.process.send_signal(signal.SIGSTOP)
                 frozen_at = time.monotonic()
-                notes.append(f"{ready['joined']} Sybils joined; victim table {table_before} entries "
-                             f"({args.honest - 1} honest) at the freeze")
-            attacked = await honest_dht_loop(client, target.peer_id, shared, args.seconds, victim,
-                                             round_number)
+                notes.append(
+                    f"{ready['joined']} Sybils joined; victim table {table_before} entries "
+                    f"({args.honest - 1} honest) at the freeze"
+                )
+            attacked = await honest_dht_loop(
+                client, target.peer_id, shared, args.seconds, victim, round_number
+            )
             if name.startswith("sybils"):
                 notes.append(table_shrink(victim, frozen_at, args.honest + 10))
                 early = [ms for ms, at in zip(attacked.latencies, attacked.started) if at < FIRST_SECONDS]
                 late = [ms for ms, at in zip(attacked.latencies, attacked.started) if at >= FIRST_SECONDS]
-                notes.append(f"honest p50 {fmt(percentile(early, 50))} ms in the first {FIRST_SECONDS:.0f} s "
-                             f"({len(early)} ops), {fmt(percentile(late, 50))} ms after ({len(late)} ops)")
+                notes.append(
+                    f"honest p50 {fmt(percentile(early, 50))} ms in the first {FIRST_SECONDS:.0f} s "
+                    f"({len(early)} ops), {fmt(percentile(late, 50))} ms after ({len(late)} ops)"
+                )
                 notes.append(f"client table {len(client.routing_table)} at the end")
             else:
-                notes.append(", ".join(f"{key} {value:,}" if isinstance(value, int) else f"{key} {value}"
-                                       for key, value in attacker.lines[-1][1].items() if key != "ready"))
+                notes.append(
+                    ", ".join(
+                        f"{key} {value:,}" if isinstance(value, int) else f"{key} {value}"
+                        for key, value in attacker.lines[-1][1].items()
+                        if key != "ready"
+                    )
+                )
             status = victim.lines[-1][1]
             notes.append(f"victim holds {status['keys']:,} keys, table {status['table']}")
         finally:
@@ -494,8 +538,9 @@ async def run_dht_attack(name: str, args) -> dict:
 
 
 def table_shrink(victim: Role, since: float, small: int) -> str:
-    after = [(at - since, fields["table"]) for at, fields in victim.lines
-             if at >= since and "table" in fields]
+    after = [
+        (at - since, fields["table"]) for at, fields in victim.lines if at >= since and "table" in fields
+    ]
     if not after:
         return "no table reports after the freeze"
     shrunk = next((at for at, size in after if size <= small), None)
@@ -521,8 +566,10 @@ async def run_moe_attack(args) -> dict:
             counts = attacker.lines[-1][1]
         finally:
             await attacker.stop()
-        notes = (f"200 calls of {args.max_batch} x {args.hidden} in flight: {counts['served']:,} served, "
-                 f"{counts['refused']:,} refused; honest calls of {args.honest_batch} rows")
+        notes = (
+            f"200 calls of {args.max_batch} x {args.hidden} in flight: {counts['served']:,} served, "
+            f"{counts['refused']:,} refused; honest calls of {args.honest_batch} rows"
+        )
         return result_row("moe-flood", baseline, attacked, notes)
     finally:
         if host is not None:
@@ -531,6 +578,7 @@ async def run_moe_attack(args) -> dict:
 
 
 # --- the report ------------------------------------------------------------------------------------
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -549,22 +597,28 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 def print_table(rows: list[dict], args) -> None:
-    print(f"\nhonest operations one at a time, {args.seconds:.0f} s without and {args.seconds:.0f} s with "
-          f"each attack; ms; loopback; {args.honest} honest DHT nodes; attackers at {args.attacker_priority} "
-          f"priority")
-    print("| attack | p50 without → with | p99 without → with | success without → with | victim ping p50 "
-          "without → with | victim MB before → peak | ops | notes |")
+    print(
+        f"\nhonest operations one at a time, {args.seconds:.0f} s without and {args.seconds:.0f} s with "
+        f"each attack; ms; loopback; {args.honest} honest DHT nodes; attackers at {args.attacker_priority} "
+        f"priority"
+    )
+    print(
+        "| attack | p50 without → with | p99 without → with | success without → with | victim ping p50 "
+        "without → with | victim MB before → peak | ops | notes |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         b, a = row["baseline"], row["attacked"]
         ratio = (percentile(a.latencies, 50) or 0) / max(percentile(b.latencies, 50) or 1e-9, 1e-9)
         ping = f"{fmt(percentile(b.pings, 50))} → {fmt(percentile(a.pings, 50))}" if b.pings else "—"
         success = f"{100 * sum(b.ok) / max(len(b.ok), 1):.1f}% → {100 * sum(a.ok) / max(len(a.ok), 1):.1f}%"
-        print(f"| {row['attack']} | {fmt(percentile(b.latencies, 50))} → {fmt(percentile(a.latencies, 50))} "
-              f"(x{ratio:.1f}) | {fmt(percentile(b.latencies, 99))} → {fmt(percentile(a.latencies, 99))} "
-              f"| {success} | {ping} | {fmt(b.rss[-1] if b.rss else None, 0)} → "
-              f"{fmt(max(a.rss, default=None), 0)} "
-              f"| {len(b.ok)} / {len(a.ok)} | {row['notes']} |")
+        print(
+            f"| {row['attack']} | {fmt(percentile(b.latencies, 50))} → {fmt(percentile(a.latencies, 50))} "
+            f"(x{ratio:.1f}) | {fmt(percentile(b.latencies, 99))} → {fmt(percentile(a.latencies, 99))} "
+            f"| {success} | {ping} | {fmt(b.rss[-1] if b.rss else None, 0)} → "
+            f"{fmt(max(a.rss, default=None), 0)} "
+            f"| {len(b.ok)} / {len(a.ok)} | {row['notes']} |"
+        )
 
 
 async def run(args) -> None:
@@ -577,24 +631,38 @@ async def run(args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--attacks", type=lambda text: [a for a in text.split(",") if a],
-                        default=list(ATTACKS),
-                        help=f"comma-separated, of {', '.join(ATTACKS)}")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--attacks",
+        type=lambda text: [a for a in text.split(",") if a],
+        default=list(ATTACKS),
+        help=f"comma-separated, of {', '.join(ATTACKS)}",
+    )
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each measured window")
     parser.add_argument("--honest", type=int, default=8, help="honest DHT nodes, the victim included")
     parser.add_argument("--sybils", type=int, default=200)
-    parser.add_argument("--silent-connections", type=int, default=500,
-                        help="conn-flood: sockets that never speak")
-    parser.add_argument("--flood-connections", type=int, default=500,
-                        help="conn-flood: handshaken connections, each holding a silent DHT stream")
+    parser.add_argument(
+        "--silent-connections", type=int, default=500, help="conn-flood: sockets that never speak"
+    )
+    parser.add_argument(
+        "--flood-connections",
+        type=int,
+        default=500,
+        help="conn-flood: handshaken connections, each holding a silent DHT stream",
+    )
     parser.add_argument("--flood-peers", type=int, default=4, help="ping-flood: peers pinging")
-    parser.add_argument("--attacker-priority", choices=("idle", "normal"), default="idle",
-                        help="CPU priority of the flooding attackers (idle: SCHED_IDLE)")
+    parser.add_argument(
+        "--attacker-priority",
+        choices=("idle", "normal"),
+        default="idle",
+        help="CPU priority of the flooding attackers (idle: SCHED_IDLE)",
+    )
     parser.add_argument("--hidden", type=int, default=256, help="ffn expert width")
-    parser.add_argument("--max-batch", type=int, default=256,
-                        help="the expert's max_batch_size: the flood's rows")
+    parser.add_argument(
+        "--max-batch", type=int, default=256, help="the expert's max_batch_size: the flood's rows"
+    )
     parser.add_argument("--honest-batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the expert server")
     parser.add_argument("--seed", type=int, default=0)

@@ -170,11 +170,20 @@ def run_config(index, n, mib, compression, args, barrier, dht, memory, profile) 
     memory.reset()
     baseline = memory.baseline
     averager = DecentralizedAverager(
-        [tensor], dht, prefix=f"bench{n}x{mib}{compression}", target_group_size=n, min_group_size=n,
-        min_matchmaking_time=args.min_matchmaking_time, request_timeout=args.request_timeout,
-        compression=make_compression(compression), part_size_bytes=args.part_kib * 1024,
-        sender_timeout=args.sender_timeout, reducer_timeout=2 * args.sender_timeout, start=True,
-        robust=RobustAggregation() if args.robust else None)
+        [tensor],
+        dht,
+        prefix=f"bench{n}x{mib}{compression}",
+        target_group_size=n,
+        min_group_size=n,
+        min_matchmaking_time=args.min_matchmaking_time,
+        request_timeout=args.request_timeout,
+        compression=make_compression(compression),
+        part_size_bytes=args.part_kib * 1024,
+        sender_timeout=args.sender_timeout,
+        reducer_timeout=2 * args.sender_timeout,
+        start=True,
+        robust=RobustAggregation() if args.robust else None,
+    )
     result = {key: [] for key in ("matchmaking", "allreduce", "cpu", "gloo", "gloo_cpu", "bare")}
     growth = 0
     try:
@@ -196,7 +205,9 @@ def run_config(index, n, mib, compression, args, barrier, dht, memory, profile) 
         averager.shutdown()
     if args.bare:
         result["bare"] = bare_rounds(tensor, n, compression, args, barrier, dht, group)
-    result.update(numel=tensor.numel(), growth=growth, initial_sum=initial_sum, final_sum=final_sum, probe=probe)
+    result.update(
+        numel=tensor.numel(), growth=growth, initial_sum=initial_sum, final_sum=final_sum, probe=probe
+    )
     return result
 
 
@@ -212,12 +223,20 @@ def bare_rounds(tensor, n, compression, args, barrier, dht, group) -> list[float
     peers = sorted(group, key=lambda peer: peer.to_bytes())
     times = []
     for round_index in range(args.rounds):
+
         async def one_round():
             router = _routers.get(dht.host) or AllReduceRouter(dht.host)
             runner = AllReduceRunner(
-                dht.host, f"bare-{n}-{round_index}".encode(), [tensor], peers, [1.0] * n,
-                compression=make_compression(compression), part_size_bytes=args.part_kib * 1024,
-                sender_timeout=args.sender_timeout, reducer_timeout=2 * args.sender_timeout)
+                dht.host,
+                f"bare-{n}-{round_index}".encode(),
+                [tensor],
+                peers,
+                [1.0] * n,
+                compression=make_compression(compression),
+                part_size_bytes=args.part_kib * 1024,
+                sender_timeout=args.sender_timeout,
+                reducer_timeout=2 * args.sender_timeout,
+            )
             with router.register(runner):
                 started = time.perf_counter()
                 report = await runner.run()
@@ -257,7 +276,9 @@ def peer(index: int, n: int, configs, args, connection, barrier, gloo_port: int)
     except BaseException as error:  # send it as text: not every exception pickles
         import traceback
 
-        connection.send(RuntimeError(f"peer {index}: {type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        connection.send(
+            RuntimeError(f"peer {index}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+        )
         raise
     finally:
         dist.destroy_process_group()
@@ -281,7 +302,9 @@ def slowest(results, key) -> float:
 
 def mean_cpu(results, key) -> float:
     """Median over rounds of the peers' mean CPU seconds."""
-    return statistics.median(sum(rounds) / len(rounds) for rounds in zip(*(result[key] for result in results)))
+    return statistics.median(
+        sum(rounds) / len(rounds) for rounds in zip(*(result[key] for result in results))
+    )
 
 
 def check(results, n, compression) -> str:
@@ -302,8 +325,10 @@ def run_peers(n: int, args, rows: list) -> None:
     context = mp.get_context("spawn")
     barrier, gloo_port = context.Barrier(n), free_port()
     pipes = [context.Pipe() for _ in range(n)]
-    processes = [context.Process(target=peer, args=(i, n, configs, args, pipes[i][1], barrier, gloo_port),
-                                 daemon=True) for i in range(n)]
+    processes = [
+        context.Process(target=peer, args=(i, n, configs, args, pipes[i][1], barrier, gloo_port), daemon=True)
+        for i in range(n)
+    ]
     for process in processes:
         process.start()
     finished = False
@@ -313,13 +338,19 @@ def run_peers(n: int, args, rows: list) -> None:
             parent.send(addresses)
         for mib, compression in configs:
             results = gather_results([parent for parent, _ in pipes], f"{n} peers x {mib} MiB {compression}")
-            row = dict(peers=n, mib=mib, compression=compression,
-                       seconds=slowest(results, "allreduce"), gloo=slowest(results, "gloo"),
-                       cpu=mean_cpu(results, "cpu"), gloo_cpu=mean_cpu(results, "gloo_cpu"),
-                       matchmaking=slowest(results, "matchmaking"),
-                       growth=max(r["growth"] for r in results) / (mib << 20),
-                       bare=slowest(results, "bare") if args.bare else None,
-                       check=check(results, n, compression))
+            row = dict(
+                peers=n,
+                mib=mib,
+                compression=compression,
+                seconds=slowest(results, "allreduce"),
+                gloo=slowest(results, "gloo"),
+                cpu=mean_cpu(results, "cpu"),
+                gloo_cpu=mean_cpu(results, "gloo_cpu"),
+                matchmaking=slowest(results, "matchmaking"),
+                growth=max(r["growth"] for r in results) / (mib << 20),
+                bare=slowest(results, "bare") if args.bare else None,
+                check=check(results, n, compression),
+            )
             rows.append(row)
             print(format_row(row), flush=True)
         finished = True
@@ -348,20 +379,26 @@ def gather_results(parents: list, what: str) -> list:
     return results
 
 
-HEADER = ("| peers | MiB | compression | s/round | MiB/s | gloo s/round | gloo MiB/s | vs gloo "
-          "| CPU s/round/peer (gloo) | matchmaking s | peak mem / tensor | check |")
+HEADER = (
+    "| peers | MiB | compression | s/round | MiB/s | gloo s/round | gloo MiB/s | vs gloo "
+    "| CPU s/round/peer (gloo) | matchmaking s | peak mem / tensor | check |"
+)
 
 
 def format_row(row) -> str:
     bandwidth, gloo_bandwidth = row["mib"] / row["seconds"], row["mib"] / row["gloo"]
-    text = (f"| {row['peers']} | {row['mib']} | {row['compression']} | {row['seconds']:.3f} | {bandwidth:.0f} "
-            f"| {row['gloo']:.3f} | {gloo_bandwidth:.0f} | {bandwidth / gloo_bandwidth:.2f} "
-            f"| {row['cpu']:.2f} ({row['gloo_cpu']:.2f}) | {row['matchmaking']:.3f} | {row['growth']:.2f} "
-            f"| {row['check']} |")
+    text = (
+        f"| {row['peers']} | {row['mib']} | {row['compression']} | {row['seconds']:.3f} | {bandwidth:.0f} "
+        f"| {row['gloo']:.3f} | {gloo_bandwidth:.0f} | {bandwidth / gloo_bandwidth:.2f} "
+        f"| {row['cpu']:.2f} ({row['gloo_cpu']:.2f}) | {row['matchmaking']:.3f} | {row['growth']:.2f} "
+        f"| {row['check']} |"
+    )
     if row["bare"] is not None:
         bare = row["mib"] / row["bare"]
-        text += (f"\n| {row['peers']} | {row['mib']} | {row['compression']}, bare runner | {row['bare']:.3f} "
-                 f"| {bare:.0f} | | | {bare / gloo_bandwidth:.2f} | | | | |")
+        text += (
+            f"\n| {row['peers']} | {row['mib']} | {row['compression']}, bare runner | {row['bare']:.3f} "
+            f"| {bare:.0f} | | | {bare / gloo_bandwidth:.2f} | | | | |"
+        )
     return text
 
 
@@ -379,14 +416,18 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--sender-timeout", type=float, default=60.0)
     parser.add_argument("--step-timeout", type=float, default=600.0)
-    parser.add_argument("--profile", action="store_true", help="print peer 0's event-loop profile of the rounds")
+    parser.add_argument(
+        "--profile", action="store_true", help="print peer 0's event-loop profile of the rounds"
+    )
     parser.add_argument("--robust", action="store_true", help="CenteredClip per part and verified reducers")
     args = parser.parse_args()
     if args.quick:
         args.peers, args.mib, args.rounds = [p for p in args.peers if p <= 4] or [2], [40], 2
 
-    print(f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; {args.rounds} rounds per row, "
-          f"parts of {args.part_kib} KiB, {args.threads} torch thread(s) per peer\n")
+    print(
+        f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / 2**30:.0f} GiB; {args.rounds} rounds per row, "
+        f"parts of {args.part_kib} KiB, {args.threads} torch thread(s) per peer\n"
+    )
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
     rows = []

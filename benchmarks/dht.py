@@ -55,8 +55,14 @@ LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 TTL = 600.0
 
 # hivemind 1.1.12, 32 nodes, on this machine (published in the issue; not re-measured here)
-HIVEMIND_32 = {"config": "hivemind 1.1.12 (reference)", "n": 32, "swarm_s": 14.0, "mb_per_node": 2.9e3 / 32,
-               "store": (24.5, None), "get_latest": (21.0, None)}
+HIVEMIND_32 = {
+    "config": "hivemind 1.1.12 (reference)",
+    "n": 32,
+    "swarm_s": 14.0,
+    "mb_per_node": 2.9e3 / 32,
+    "store": (24.5, None),
+    "get_latest": (21.0, None),
+}
 
 
 @dataclass
@@ -85,13 +91,17 @@ class Result:
 
 # --- the swarm --------------------------------------------------------------------------------
 
+
 async def start_peer(bootstrap: list[Peer], node_options: dict, idle_timeout: float) -> Peer:
     host = await Host(host_maddrs=LISTEN, idle_timeout=idle_timeout).start()
     try:
         for peer in bootstrap:
             host.add_addrs(peer.host.peer_id, peer.host.get_listen_maddrs())
-        node = await DHTNode.create(initial_peers=[peer.host.peer_id for peer in bootstrap],
-                                    rpc=HostDHTTransport(host), **node_options)
+        node = await DHTNode.create(
+            initial_peers=[peer.host.peer_id for peer in bootstrap],
+            rpc=HostDHTTransport(host),
+            **node_options,
+        )
     except BaseException:
         await host.shutdown()
         raise
@@ -136,8 +146,9 @@ async def kill(peer: Peer, mode: str) -> None:
             connection._transport.pause_reading()
     # the node's own work stops; streams it is serving just hang (cancelling them would send resets),
     # and the host's idle sweep stops too, since it would close connections with a goodbye
-    tasks = list(peer.node._tasks) + [task for task in peer.host._tasks
-                                      if task.get_coro().__name__ == "_close_idle_connections"]
+    tasks = list(peer.node._tasks) + [
+        task for task in peer.host._tasks if task.get_coro().__name__ == "_close_idle_connections"
+    ]
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -154,6 +165,7 @@ async def shutdown_swarm(peers: list[Peer]) -> None:
 
 
 # --- the workload -----------------------------------------------------------------------------
+
 
 async def timed(coroutine) -> tuple[float, object]:
     started = time.perf_counter()
@@ -210,6 +222,7 @@ async def run_config(config: str, n: int, kill_fraction: float, args) -> Result:
         # with frozen peers most lookups wait out a timeout, so they run a few at a time to end in minutes
         in_flight = asyncio.Semaphore(args.kill_concurrency if kill_fraction > 0 else 1)
         for latest_flag, name in ((False, "get"), (True, "get_latest")):
+
             async def get_timed(key: str, latest_flag=latest_flag, name=name) -> None:
                 async with in_flight:
                     peer = other_than(peers, stored_by[key])
@@ -235,7 +248,9 @@ async def run_config(config: str, n: int, kill_fraction: float, args) -> Result:
                 return await peers_alive_choice(peers).node.get(key)
 
         started = time.perf_counter()
-        stored = await asyncio.gather(*(store_one(i, key) for i, key in enumerate(keys)), return_exceptions=True)
+        stored = await asyncio.gather(
+            *(store_one(i, key) for i, key in enumerate(keys)), return_exceptions=True
+        )
         result.store_ops = len(keys) / (time.perf_counter() - started)
         started = time.perf_counter()
         await asyncio.gather(*(get_one(key) for key in keys), return_exceptions=True)
@@ -259,6 +274,7 @@ def peers_alive_choice(peers: list[Peer]) -> Peer:
 
 # --- the report -------------------------------------------------------------------------------
 
+
 def percentiles(samples: list[float]) -> tuple[float | None, float | None]:
     if not samples:
         return None, None
@@ -280,26 +296,38 @@ def fmt_ok(flags: list[bool]) -> str:
 
 
 def print_table(results: list[Result], args) -> None:
-    print(f"\n{args.keys} keys, one operation at a time for latencies, {args.concurrency} in flight for ops/s; "
-          f"127.0.0.1, one event loop; times in ms as p50 / p90")
-    print("| configuration | nodes | swarm s | MB/node | ping | store | get | get latest | store ops/s | get ops/s "
-          "| store ok | get ok | latest ok |")
+    print(
+        f"\n{args.keys} keys, one operation at a time for latencies, {args.concurrency} in flight for ops/s; "
+        f"127.0.0.1, one event loop; times in ms as p50 / p90"
+    )
+    print(
+        "| configuration | nodes | swarm s | MB/node | ping | store | get | get latest | store ops/s | get ops/s "
+        "| store ok | get ok | latest ok |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        mb = f"{r.mb_per_node:.1f}" + (f" ({r.traced_mb_per_node:.1f} traced)" if r.traced_mb_per_node else "")
-        print(f"| {r.config} | {r.n} | {r.swarm_s:.2f} | {mb} | {fmt_pair(percentiles(r.ping))} "
-              f"| {fmt_pair(percentiles(r.store))} | {fmt_pair(percentiles(r.get))} "
-              f"| {fmt_pair(percentiles(r.get_latest))} | {r.store_ops:,.0f} | {r.get_ops:,.0f} "
-              f"| {fmt_ok(r.ok['store'])} | {fmt_ok(r.ok['get'])} | {fmt_ok(r.ok['get_latest'])} |")
+        mb = f"{r.mb_per_node:.1f}" + (
+            f" ({r.traced_mb_per_node:.1f} traced)" if r.traced_mb_per_node else ""
+        )
+        print(
+            f"| {r.config} | {r.n} | {r.swarm_s:.2f} | {mb} | {fmt_pair(percentiles(r.ping))} "
+            f"| {fmt_pair(percentiles(r.store))} | {fmt_pair(percentiles(r.get))} "
+            f"| {fmt_pair(percentiles(r.get_latest))} | {r.store_ops:,.0f} | {r.get_ops:,.0f} "
+            f"| {fmt_ok(r.ok['store'])} | {fmt_ok(r.ok['get'])} | {fmt_ok(r.ok['get_latest'])} |"
+        )
     h = HIVEMIND_32
-    print(f"| {h['config']} | {h['n']} | {h['swarm_s']:.0f} | {h['mb_per_node']:.0f} | — | {fmt_pair(h['store'])} "
-          f"| — | {fmt_pair(h['get_latest'])} | — | — | — | — | — |")
+    print(
+        f"| {h['config']} | {h['n']} | {h['swarm_s']:.0f} | {h['mb_per_node']:.0f} | — | {fmt_pair(h['store'])} "
+        f"| — | {fmt_pair(h['get_latest'])} | — | — | — | — | — |"
+    )
     ours = next((r for r in results if r.n == 32 and not r.killed), None)
     if ours is not None:
         store_p50, latest_p50 = percentiles(ours.store)[0], percentiles(ours.get_latest)[0]
-        print(f"\nat 32 nodes, hivemind / plexus: store p50 x{h['store'][0] / store_p50:.1f}, "
-              f"get(latest) p50 x{h['get_latest'][0] / latest_p50:.1f}, swarm creation x{h['swarm_s'] / ours.swarm_s:.1f}, "
-              f"memory per node x{h['mb_per_node'] / max(ours.mb_per_node, 0.01):.1f}")
+        print(
+            f"\nat 32 nodes, hivemind / plexus: store p50 x{h['store'][0] / store_p50:.1f}, "
+            f"get(latest) p50 x{h['get_latest'][0] / latest_p50:.1f}, swarm creation x{h['swarm_s'] / ours.swarm_s:.1f}, "
+            f"memory per node x{h['mb_per_node'] / max(ours.mb_per_node, 0.01):.1f}"
+        )
 
 
 async def run(args) -> None:
@@ -308,8 +336,10 @@ async def run(args) -> None:
         results.append(await run_config(f"{n} nodes", n, 0.0, args))
         print(f"done: {n} nodes in {results[-1].swarm_s:.1f} s swarm", file=sys.stderr, flush=True)
     if args.kill_fraction > 0 and args.kill_size:
-        config = (f"{args.kill_size} nodes, {args.kill_fraction:.0%} killed ({args.kill_mode}; "
-                  f"gets {args.kill_concurrency} in flight)")
+        config = (
+            f"{args.kill_size} nodes, {args.kill_fraction:.0%} killed ({args.kill_mode}; "
+            f"gets {args.kill_concurrency} in flight)"
+        )
         results.append(await run_config(config, args.kill_size, args.kill_fraction, args))
     print_table(results, args)
 
@@ -321,12 +351,18 @@ def raise_fd_limit() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sizes = lambda text: [int(part) for part in text.split(",") if part]  # noqa: E731
     parser.add_argument("--sizes", type=sizes, default=[2, 8, 32, 256], help="swarm sizes, comma-separated")
     parser.add_argument("--keys", type=int, default=500, help="keys stored and read per configuration")
-    parser.add_argument("--kill-fraction", type=float, default=0.1, help="share of nodes killed; 0 skips the variant")
-    parser.add_argument("--kill-size", type=int, default=256, help="swarm size of the variant with killed nodes")
+    parser.add_argument(
+        "--kill-fraction", type=float, default=0.1, help="share of nodes killed; 0 skips the variant"
+    )
+    parser.add_argument(
+        "--kill-size", type=int, default=256, help="swarm size of the variant with killed nodes"
+    )
     parser.add_argument("--kill-mode", choices=("freeze", "crash"), default="freeze")
     parser.add_argument("--kill-concurrency", type=int, default=16, help="gets in flight after the kill")
     parser.add_argument("--bootstrap", type=int, default=3, help="initial peers of each joining node")
@@ -334,11 +370,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32, help="operations in flight for ops/s")
     parser.add_argument("--pings", type=int, default=100, help="DHT pings between random pairs")
     parser.add_argument("--wait-timeout", type=float, default=3.0, help="DHTNode's per-request timeout, s")
-    parser.add_argument("--idle-timeout", type=float, default=10.0,
-                        help="hosts close connections idle this long, s (one process holds both ends of every "
-                             "connection: 256 nodes would otherwise run out of file descriptors)")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=10.0,
+        help="hosts close connections idle this long, s (one process holds both ends of every "
+        "connection: 256 nodes would otherwise run out of file descriptors)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tracemalloc", action="store_true", help="also report traced Python memory (slower)")
+    parser.add_argument(
+        "--tracemalloc", action="store_true", help="also report traced Python memory (slower)"
+    )
     args = parser.parse_args()
     random.seed(args.seed)
     raise_fd_limit()

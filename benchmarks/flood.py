@@ -76,8 +76,12 @@ async def node(host_maddrs, bootstrap=None, client_mode=False, **options) -> tup
     host = await Host(host_maddrs=host_maddrs, **options).start()
     if bootstrap is not None:
         host.add_addrs(bootstrap[0].peer_id, [bootstrap[1]])
-    dht = await DHTNode.create(initial_peers=[bootstrap[0].peer_id] if bootstrap else [],
-                               rpc=HostDHTTransport(host), wait_timeout=5, client_mode=client_mode)
+    dht = await DHTNode.create(
+        initial_peers=[bootstrap[0].peer_id] if bootstrap else [],
+        rpc=HostDHTTransport(host),
+        wait_timeout=5,
+        client_mode=client_mode,
+    )
     return host, dht
 
 
@@ -102,11 +106,26 @@ async def scenario(name: str, args, identities: int) -> dict:
     await timed_gets(client[1], keys[:20])  # warm up
     context = multiprocessing.get_context("spawn")
     go, quit_, tried = context.Event(), context.Event(), context.Value("q", 0)
-    attacker = context.Process(target=attack, args=(str(target.with_peer_id(victim[0].peer_id)), identities,
-                                                    args.attacker_priority, go, quit_, tried))
+    attacker = context.Process(
+        target=attack,
+        args=(
+            str(target.with_peer_id(victim[0].peer_id)),
+            identities,
+            args.attacker_priority,
+            go,
+            quit_,
+            tried,
+        ),
+    )
     attacker.start()
-    result = {"quiet": [], "flood": [], "joins": [], "held": [], "rates": [],
-              "cpu": {"quiet": [], "flood": []}}
+    result = {
+        "quiet": [],
+        "flood": [],
+        "joins": [],
+        "held": [],
+        "rates": [],
+        "cpu": {"quiet": [], "flood": []},
+    }
     loop = asyncio.get_running_loop()
     try:
         for _ in range(args.phases):
@@ -142,10 +161,14 @@ def quantile(values, q):
 
 
 async def main(args) -> None:
-    results = {"one peer id": await scenario("one peer id", args, 1),
-               "many ids": await scenario("many ids", args, None)}
-    print(f"\n{'attack':<12} {'phase':<6} {'get p50 ms':>10} {'p90 ms':>7} {'p50 x':>6} {'p90 x':>6} "
-          f"{'join s':>7} {'held':>5} {'dials/s':>8} {'victim CPU':>10}")
+    results = {
+        "one peer id": await scenario("one peer id", args, 1),
+        "many ids": await scenario("many ids", args, None),
+    }
+    print(
+        f"\n{'attack':<12} {'phase':<6} {'get p50 ms':>10} {'p90 ms':>7} {'p50 x':>6} {'p90 x':>6} "
+        f"{'join s':>7} {'held':>5} {'dials/s':>8} {'victim CPU':>10}"
+    )
     for name, result in results.items():
         base50, base90 = quantile(result["quiet"], 50), quantile(result["quiet"], 90)
         for phase in ("quiet", "flood"):
@@ -154,17 +177,24 @@ async def main(args) -> None:
             if phase == "flood":
                 join, held = f"{max(result['joins']):.2f}", max(result["held"])
                 rate = f"{statistics.mean(result['rates']):.0f}"
-            print(f"{name:<12} {phase:<6} {p50 * 1e3:>10.2f} {p90 * 1e3:>7.2f} "
-                  f"{p50 / base50:>6.2f} {p90 / base90:>6.2f} "
-                  f"{join:>7} {held:>5} {rate:>8} {statistics.mean(result['cpu'][phase]):>10.0%}")
+            print(
+                f"{name:<12} {phase:<6} {p50 * 1e3:>10.2f} {p90 * 1e3:>7.2f} "
+                f"{p50 / base50:>6.2f} {p90 / base90:>6.2f} "
+                f"{join:>7} {held:>5} {rate:>8} {statistics.mean(result['cpu'][phase]):>10.0%}"
+            )
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phases", type=int, default=4, help="quiet/flood phase pairs per attack")
     parser.add_argument("--gets", type=int, default=150, help="timed gets per phase")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of flood before each flood phase")
-    parser.add_argument("--attacker-priority", choices=("idle", "normal"), default="idle",
-                        help="idle: the attacker gets only CPU time nobody else wants (like another "
-                             "machine); "
-                             "normal: it competes with the victim for this machine's cores")
+    parser.add_argument(
+        "--attacker-priority",
+        choices=("idle", "normal"),
+        default="idle",
+        help="idle: the attacker gets only CPU time nobody else wants (like another "
+        "machine); "
+        "normal: it competes with the victim for this machine's cores",
+    )
     asyncio.run(main(parser.parse_args()))

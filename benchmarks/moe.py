@@ -86,6 +86,7 @@ def client(index, maddrs, uids, args, go, stop, ready, results) -> None:
     """Calls random experts while `go` is set; reports every call as (start, end) wall times."""
     global torch
     import torch
+
     torch.set_num_threads(1)
     from plexus.dht.dht import DHT
     from plexus.moe import get_experts
@@ -117,8 +118,14 @@ def measure(args) -> dict:
 
     baseline = InProcess(args)
     started = time.perf_counter()
-    server = Server.create(num_experts=args.experts, expert_pattern=f"ffn.[0:{args.experts}]",
-                           hidden_dim=args.hidden, device="cpu", start=True, host_maddrs=LOCAL)
+    server = Server.create(
+        num_experts=args.experts,
+        expert_pattern=f"ffn.[0:{args.experts}]",
+        hidden_dim=args.hidden,
+        device="cpu",
+        start=True,
+        host_maddrs=LOCAL,
+    )
     startup = time.perf_counter() - started
     # the networking part, measured again on its own: a DHT and one announcement of every expert
     began = time.perf_counter()
@@ -130,8 +137,12 @@ def measure(args) -> dict:
     context = mp.get_context("spawn")
     go, stop, ready, results = context.Event(), context.Event(), context.Semaphore(0), context.Queue()
     maddrs = [str(a) for a in server.dht.get_visible_maddrs()]
-    processes = [context.Process(target=client, args=(i, maddrs, list(server.module_backends), args, go, stop,
-                                                      ready, results)) for i in range(args.clients)]
+    processes = [
+        context.Process(
+            target=client, args=(i, maddrs, list(server.module_backends), args, go, stop, ready, results)
+        )
+        for i in range(args.clients)
+    ]
     try:
         for process in processes:
             process.start()
@@ -166,13 +177,21 @@ def measure(args) -> dict:
         for process in processes:
             if process.is_alive():
                 process.kill()
-    per_window = [[end - begin for begin, end in calls if opened <= begin and end <= closed]
-                  for opened, closed in remote_windows]
+    per_window = [
+        [end - begin for begin, end in calls if opened <= begin and end <= closed]
+        for opened, closed in remote_windows
+    ]
     remote_rates = [len(latencies) * args.batch / window for latencies in per_window]
-    return dict(local=dict(samples_per_s=local_samples / args.seconds, latencies=local_latencies),
-                remote=dict(samples_per_s=sum(remote_rates) / len(remote_rates),
-                            latencies=[x for latencies in per_window for x in latencies]),
-                ratios=[r / l for r, l in zip(remote_rates, rounds)], startup=startup, networking=networking)
+    return dict(
+        local=dict(samples_per_s=local_samples / args.seconds, latencies=local_latencies),
+        remote=dict(
+            samples_per_s=sum(remote_rates) / len(remote_rates),
+            latencies=[x for latencies in per_window for x in latencies],
+        ),
+        ratios=[r / l for r, l in zip(remote_rates, rounds)],
+        startup=startup,
+        networking=networking,
+    )
 
 
 def main() -> None:
@@ -190,25 +209,38 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     global torch
     import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
-          f"{args.experts} ffn experts, hidden {args.hidden}, batch {args.batch}, {args.clients} client processes, "
-          f"{args.seconds:.0f} s measured per path in {args.rounds} alternating rounds after {args.warmup:.0f} s "
-          f"warm-up", flush=True)
+    print(
+        f"{os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+        f"{args.experts} ffn experts, hidden {args.hidden}, batch {args.batch}, {args.clients} client processes, "
+        f"{args.seconds:.0f} s measured per path in {args.rounds} alternating rounds after {args.warmup:.0f} s "
+        f"warm-up",
+        flush=True,
+    )
     result = measure(args)
     local, far = result["local"], result["remote"]
     print()
     print("| path | samples/s | fwd+bwd p50 ms | fwd+bwd p99 ms | vs in-process |")
     print("|---|---|---|---|---|")
-    for name, row in (("in-process (same modules, Adam)", local), (f"remote, {args.clients} client processes", far)):
-        print(f"| {name} | {row['samples_per_s']:.0f} | {1000 * statistics.median(row['latencies']):.1f} | "
-              f"{1000 * percentile(row['latencies'], 99):.1f} | "
-              f"{row['samples_per_s'] / local['samples_per_s']:.2f}x |")
-    print(f"\nremote / in-process per round: {', '.join(f'{r:.2f}' for r in result['ratios'])} "
-          f"(median {statistics.median(result['ratios']):.2f})")
-    print(f"server start-up: {result['startup']:.2f} s in all, {result['networking']:.3f} s of it networking "
-          f"(a DHT and announcing {args.experts} experts); hivemind's published figure: 11 s, 7.9 s networking")
+    for name, row in (
+        ("in-process (same modules, Adam)", local),
+        (f"remote, {args.clients} client processes", far),
+    ):
+        print(
+            f"| {name} | {row['samples_per_s']:.0f} | {1000 * statistics.median(row['latencies']):.1f} | "
+            f"{1000 * percentile(row['latencies'], 99):.1f} | "
+            f"{row['samples_per_s'] / local['samples_per_s']:.2f}x |"
+        )
+    print(
+        f"\nremote / in-process per round: {', '.join(f'{r:.2f}' for r in result['ratios'])} "
+        f"(median {statistics.median(result['ratios']):.2f})"
+    )
+    print(
+        f"server start-up: {result['startup']:.2f} s in all, {result['networking']:.3f} s of it networking "
+        f"(a DHT and announcing {args.experts} experts); hivemind's published figure: 11 s, 7.9 s networking"
+    )
 
 
 if __name__ == "__main__":

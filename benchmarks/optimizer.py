@@ -93,9 +93,16 @@ def swarm_peer(index: int, target: int, seconds: float, addresses, barrier, resu
     if index == 0:
         addresses.put([str(a) for a in dht.get_visible_maddrs()])
     model, inputs, labels = make_model_and_data()
-    opt = Optimizer(dht=dht, run_id=f"bench{target}", target_batch_size=target, batch_size_per_step=BATCH,
-                    optimizer=functools.partial(torch.optim.Adam, lr=1e-3), params=model.parameters(),
-                    matchmaking_time=3.0, averaging_timeout=10.0)
+    opt = Optimizer(
+        dht=dht,
+        run_id=f"bench{target}",
+        target_batch_size=target,
+        batch_size_per_step=BATCH,
+        optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+        params=model.parameters(),
+        matchmaking_time=3.0,
+        averaging_timeout=10.0,
+    )
     barrier.wait()
     start, first_epoch = time.monotonic(), opt.local_epoch
     steps = train(model, opt, inputs, labels, seconds)
@@ -104,9 +111,17 @@ def swarm_peer(index: int, target: int, seconds: float, addresses, barrier, resu
     opt.shutdown()
     dht.shutdown()
     pairs = [t for t, n in rounds.averages if n >= 2]
-    results.put(dict(index=index, samples_per_s=steps * BATCH / elapsed, epochs=epochs, seconds=elapsed,
-                     averages=len(pairs), first_average=(pairs[0] - start) if pairs else None,
-                     state_loads=opt.state_loads))
+    results.put(
+        dict(
+            index=index,
+            samples_per_s=steps * BATCH / elapsed,
+            epochs=epochs,
+            seconds=elapsed,
+            averages=len(pairs),
+            first_average=(pairs[0] - start) if pairs else None,
+            state_loads=opt.state_loads,
+        )
+    )
 
 
 def run_baseline(seconds: float) -> float:
@@ -124,8 +139,10 @@ def run_baseline(seconds: float) -> float:
 def run_swarm(target: int, seconds: float) -> list[dict]:
     context = mp.get_context("spawn")
     addresses, barrier, results = context.Queue(), context.Barrier(2), context.Queue()
-    processes = [context.Process(target=swarm_peer, args=(i, target, seconds, addresses, barrier, results))
-                 for i in range(2)]
+    processes = [
+        context.Process(target=swarm_peer, args=(i, target, seconds, addresses, barrier, results))
+        for i in range(2)
+    ]
     for process in processes:
         process.start()
     outcomes = sorted((results.get(timeout=seconds + 180) for _ in processes), key=lambda o: o["index"])
@@ -140,8 +157,10 @@ def main() -> None:
     parser.add_argument("--targets", type=int, nargs="+", default=[32768, 256])
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.seconds:.0f} s windows\n")
-    print("| target | local loops (2) samples/s | peer 0 samples/s | peer 1 samples/s | swarm samples/s "
-          "| swarm / local | s per epoch | 2-peer grad averages / epoch | first 2-peer average (s) |")
+    print(
+        "| target | local loops (2) samples/s | peer 0 samples/s | peer 1 samples/s | swarm samples/s "
+        "| swarm / local | s per epoch | 2-peer grad averages / epoch | first 2-peer average (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for target in args.targets:
         baseline = run_baseline(args.seconds)
@@ -153,8 +172,11 @@ def main() -> None:
         share = f"{averages}/{epochs} ({averages / epochs:.0%})" if epochs else "-"
         firsts = [p["first_average"] for p in peers if p["first_average"] is not None]
         first = f"{min(firsts):.2f}" if firsts else "never"
-        print(f"| {target} | {baseline:.0f} | {peers[0]['samples_per_s']:.0f} | {peers[1]['samples_per_s']:.0f} "
-              f"| {combined:.0f} | {combined / baseline:.2f}x | {per_epoch} | {share} | {first} |", flush=True)
+        print(
+            f"| {target} | {baseline:.0f} | {peers[0]['samples_per_s']:.0f} | {peers[1]['samples_per_s']:.0f} "
+            f"| {combined:.0f} | {combined / baseline:.2f}x | {per_epoch} | {share} | {first} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

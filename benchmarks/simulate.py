@@ -61,8 +61,10 @@ def timed_run(name: str, swarm: DHTSwarm, duration: float) -> None:
     started = time.monotonic()
     swarm.run()
     wall = time.monotonic() - started
-    costs.append(f"| {name} | {duration / 60:.0f} min | {wall:.0f} | {swarm.sim.events_run:,} | "
-                 f"{swarm.sim.events_run / wall:,.0f} | {os.getloadavg()[0]:.1f} |")
+    costs.append(
+        f"| {name} | {duration / 60:.0f} min | {wall:.0f} | {swarm.sim.events_run:,} | "
+        f"{swarm.sim.events_run / wall:,.0f} | {os.getloadavg()[0]:.1f} |"
+    )
 
 
 def dht_rows(swarm: DHTSwarm, label: str) -> list[str]:
@@ -79,16 +81,18 @@ def dht_rows(swarm: DHTSwarm, label: str) -> list[str]:
         h50, h99 = quantiles(hops, 0.5, 0.99)
         fresh = f"{sum(op.fresh for op in ops) / len(ops):.1%}" if kind == "get" else ""
         succeeded = sum(op.ok for op in ops) / len(ops)
-        rows.append(f"| {label} | {kind} | {len(ops):,} | {succeeded:.1%} | {fresh} | "
-                    f"{s50:.2f} / {s99:.2f} | {r50:.1f} / {r99:.1f} | "
-                    f"{statistics.median(op.stats.requests for op in ops):.0f} | {h50:.0f} / {h99:.0f} |")
+        rows.append(
+            f"| {label} | {kind} | {len(ops):,} | {succeeded:.1%} | {fresh} | "
+            f"{s50:.2f} / {s99:.2f} | {r50:.1f} / {r99:.1f} | "
+            f"{statistics.median(op.stats.requests for op in ops):.0f} | {h50:.0f} / {h99:.0f} |"
+        )
     return rows
 
 
 def load_rows(swarm: DHTSwarm) -> list[str]:
     now = swarm.sim.now
     ordinary = []
-    for node in swarm.nodes[len(swarm.bootstrap):]:
+    for node in swarm.nodes[len(swarm.bootstrap) :]:
         index = node.peer.index
         minutes = (swarm.left_at.get(index, now) - swarm.joined_at[index]) / 60
         if minutes >= 1:
@@ -99,8 +103,10 @@ def load_rows(swarm: DHTSwarm) -> list[str]:
     for i, node in enumerate(swarm.bootstrap):
         peer = node.peer
         per_minute = (peer.messages_sent + peer.messages_received) / (now / 60)
-        rows.append(f"| bootstrap server {i} | {per_minute:,.0f} | | "
-                    f"{peer.busy_time / now:.2%} | {peer.bytes_sent / now * 8 / 1e6:.2f} |")
+        rows.append(
+            f"| bootstrap server {i} | {per_minute:,.0f} | | "
+            f"{peer.busy_time / now:.2%} | {peer.bytes_sent / now * 8 / 1e6:.2f} |"
+        )
     requests = sum(op.stats.requests for op in swarm.operations)
     handshakes = swarm.internet.handshakes
     rows.append(f"| connection set-ups | {handshakes:,} for {requests:,} lookup requests | | | |")
@@ -109,43 +115,67 @@ def load_rows(swarm: DHTSwarm) -> list[str]:
 
 def run_dht(args) -> None:
     minutes, peers = args.minutes, args.peers
-    options = SwarmOptions(peers=peers, duration=minutes * 60, store_interval=args.interval,
-                           get_interval=args.interval, record_ttl=2 * args.interval, seed=args.seed)
+    options = SwarmOptions(
+        peers=peers,
+        duration=minutes * 60,
+        store_interval=args.interval,
+        get_interval=args.interval,
+        record_ttl=2 * args.interval,
+        seed=args.seed,
+    )
     swarm = DHTSwarm(options)
     timed_run(f"DHT, {peers:,} peers", swarm, options.duration)
     rows = dht_rows(swarm, "as measured")
-    free = DHTSwarm(dataclasses.replace(options, duration=args.free_minutes * 60,
-                                        internet=InternetOptions(handshake_rtts=0.0)))
+    free = DHTSwarm(
+        dataclasses.replace(
+            options, duration=args.free_minutes * 60, internet=InternetOptions(handshake_rtts=0.0)
+        )
+    )
     timed_run(f"DHT, {peers:,} peers, free connections", free, free.options.duration)
     rows += dht_rows(free, f"free connections ({args.free_minutes} min)")
     departed = len(swarm.left_at)
-    table(f"DHT under churn: {peers:,} peers online, {minutes} simulated minutes, {departed:,} departures "
-          f"(each replaced by a newcomer); a store and a get(latest=True) per peer every "
-          f"{args.interval:.0f} s",
-          "| run | operation | count | succeeded | fresh | p50 / p99 s | p50 / p99 RTT | requests p50 "
-          "| hops p50 / p99 |", rows)
-    table("Load (virtual time)", "| who | messages / min | p50 / p99 | busy (CPU + downlink) | Mbit/s sent |",
-          load_rows(swarm))
+    table(
+        f"DHT under churn: {peers:,} peers online, {minutes} simulated minutes, {departed:,} departures "
+        f"(each replaced by a newcomer); a store and a get(latest=True) per peer every "
+        f"{args.interval:.0f} s",
+        "| run | operation | count | succeeded | fresh | p50 / p99 s | p50 / p99 RTT | requests p50 "
+        "| hops p50 / p99 |",
+        rows,
+    )
+    table(
+        "Load (virtual time)",
+        "| who | messages / min | p50 / p99 | busy (CPU + downlink) | Mbit/s sent |",
+        load_rows(swarm),
+    )
 
 
 def run_matchmaking(args) -> None:
     rows = []
     for bits, handshake_rtts in ((0, 4.0), (6, 4.0), (6, 0.0)):
-        label = "one key" if bits == 0 else f"{2 ** bits} keys"
+        label = "one key" if bits == 0 else f"{2**bits} keys"
         label += "" if handshake_rtts else ", free connections"
-        swarm = DHTSwarm(SwarmOptions(peers=args.matchmaking_peers, churn=False, workload=False,
-                                      duration=args.matchmaking_seconds, seed=args.seed,
-                                      internet=InternetOptions(handshake_rtts=handshake_rtts)))
+        swarm = DHTSwarm(
+            SwarmOptions(
+                peers=args.matchmaking_peers,
+                churn=False,
+                workload=False,
+                duration=args.matchmaking_seconds,
+                seed=args.seed,
+                internet=InternetOptions(handshake_rtts=handshake_rtts),
+            )
+        )
         swarm.populate()
         matchmaking = MatchmakingSwarm(swarm, MatchmakingOptions(target_group_size=16), group_bits=bits)
         matchmaking.start()
         started = time.monotonic()
         swarm.sim.run(swarm.options.duration)
         wall = time.monotonic() - started
-        costs.append(f"| matchmaking, {args.matchmaking_peers:,} peers, {label} | "
-                     f"{args.matchmaking_seconds:.0f} s "
-                     f"| {wall:.0f} | {swarm.sim.events_run:,} | {swarm.sim.events_run / wall:,.0f} | "
-                     f"{os.getloadavg()[0]:.1f} |")
+        costs.append(
+            f"| matchmaking, {args.matchmaking_peers:,} peers, {label} | "
+            f"{args.matchmaking_seconds:.0f} s "
+            f"| {wall:.0f} | {swarm.sim.events_run:,} | {swarm.sim.events_run / wall:,.0f} | "
+            f"{os.getloadavg()[0]:.1f} |"
+        )
         rounds = matchmaking.rounds
         finished = {id(m) for m in matchmaking.matchmakers if m.round > 1 or m.over}
         grouped = [r for r in rounds if r.group_size]
@@ -157,34 +187,42 @@ def run_matchmaking(args) -> None:
         busiest = max(swarm.nodes, key=lambda node: node.peer.busy_time).peer
         duration = swarm.sim.now
         histogram = collections.Counter(sizes)
-        rows.append(f"| {label} | {len(rounds):,} ({len(finished):,} peers done) | "
-                    f"{1 - len(grouped) / max(1, len(rounds)):.1%} | {p10:.0f} / {p50:.0f} / {p90:.0f} | "
-                    f"{histogram[2] / max(1, len(sizes)):.0%} / {histogram[16] / max(1, len(sizes)):.0%} | "
-                    f"{broken} of {len(groups)} | {t50:.1f} / {t99:.1f} | "
-                    f"{busiest.busy_time / duration:.0%}, "
-                    f"{busiest.bytes_sent * 8 / duration / 1e6:.1f} Mbit/s |")
-    table(f"Matchmaking: {args.matchmaking_peers:,} peers looking for groups of 16 (min 2) within 5 s of "
-          f"each other, {args.matchmaking_seconds:.0f} simulated seconds (rounds that ended in them); "
-          f"min_matchmaking_time 5 s, "
-          f"request_timeout 3 s, deadline 30 s",
-          "| buckets | rounds | without a group | group size p10 / p50 / p90 | pairs / full groups "
-          "| broken groups | s to a group p50 / p99 | busiest DHT peer: busy, sent |", rows)
+        rows.append(
+            f"| {label} | {len(rounds):,} ({len(finished):,} peers done) | "
+            f"{1 - len(grouped) / max(1, len(rounds)):.1%} | {p10:.0f} / {p50:.0f} / {p90:.0f} | "
+            f"{histogram[2] / max(1, len(sizes)):.0%} / {histogram[16] / max(1, len(sizes)):.0%} | "
+            f"{broken} of {len(groups)} | {t50:.1f} / {t99:.1f} | "
+            f"{busiest.busy_time / duration:.0%}, "
+            f"{busiest.bytes_sent * 8 / duration / 1e6:.1f} Mbit/s |"
+        )
+    table(
+        f"Matchmaking: {args.matchmaking_peers:,} peers looking for groups of 16 (min 2) within 5 s of "
+        f"each other, {args.matchmaking_seconds:.0f} simulated seconds (rounds that ended in them); "
+        f"min_matchmaking_time 5 s, "
+        f"request_timeout 3 s, deadline 30 s",
+        "| buckets | rounds | without a group | group size p10 / p50 / p90 | pairs / full groups "
+        "| broken groups | s to a group p50 / p99 | busiest DHT peer: busy, sent |",
+        rows,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--peers", type=int, default=10_000)
     parser.add_argument("--minutes", type=float, default=60)
-    parser.add_argument("--interval", type=float, default=3600,
-                        help="seconds between a peer's stores (and gets)")
+    parser.add_argument(
+        "--interval", type=float, default=3600, help="seconds between a peer's stores (and gets)"
+    )
     parser.add_argument("--free-minutes", type=float, default=10, help="length of the free-connection run")
     parser.add_argument("--matchmaking-peers", type=int, default=1000)
     parser.add_argument("--matchmaking-seconds", type=float, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip", nargs="*", choices=("dht", "matchmaking"), default=[])
-    parser.add_argument("--quick", action="store_true",
-                        help="1,000 peers for 10 minutes; 200 matchmaking peers")
+    parser.add_argument(
+        "--quick", action="store_true", help="1,000 peers for 10 minutes; 200 matchmaking peers"
+    )
     args = parser.parse_args()
     if args.quick:
         args.peers, args.minutes, args.free_minutes = 1000, 10, 5
@@ -193,8 +231,11 @@ def main() -> None:
         run_dht(args)
     if "matchmaking" not in args.skip:
         run_matchmaking(args)
-    table("The simulator's own cost on this machine",
-          "| run | simulated | wall s | events | events/s | load |", costs)
+    table(
+        "The simulator's own cost on this machine",
+        "| run | simulated | wall s | events | events/s | load |",
+        costs,
+    )
 
 
 if __name__ == "__main__":

@@ -42,26 +42,33 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, nargs=2, default=(15.0, 25.0), metavar=("MIN", "MAX"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.peers} peers, "
-          f"{args.seconds:.0f} s per phase\n")
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.peers} peers, "
+        f"{args.seconds:.0f} s per phase\n"
+    )
     baseline = run_phase(args.peers, args.seconds, None, "soak_baseline")
-    schedule = ChurnSchedule.random_kills(args.seconds, args.peers, every=tuple(args.kill_every),
-                                          seed=args.seed)
+    schedule = ChurnSchedule.random_kills(
+        args.seconds, args.peers, every=tuple(args.kill_every), seed=args.seed
+    )
     churn = run_phase(args.peers, args.seconds, schedule, "soak_churn")
 
-    print("| phase | epochs/min | ratio | median epoch | longest stall | stall around a kill (max) "
-          "| rejoin (mean / max) | process start (mean) | disagreements | catch-up loads (never killed) "
-          "| failed rounds | hangs | leftovers |")
+    print(
+        "| phase | epochs/min | ratio | median epoch | longest stall | stall around a kill (max) "
+        "| rejoin (mean / max) | process start (mean) | disagreements | catch-up loads (never killed) "
+        "| failed rounds | hangs | leftovers |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, report in (("no churn", baseline), ("churn", churn)):
         stalls = report.stall_after_kill()
         around_kills = f"{max(stalls):.1f} s ({len(stalls)} kills)" if stalls else "-"
         ratio = report.epochs_per_minute / baseline.epochs_per_minute
-        print(f"| {name} | {report.epochs_per_minute:.1f} | {ratio:.2f} | {report.median_epoch_time:.1f} s | {report.longest_stall:.1f} s | {around_kills} "
-              f"| {fmt(report.rejoin_times())} | {statistics.mean(report.ready_times()):.1f} s "
-              f"| {len(report.disagreements())} | {sum(report.catch_up_loads().values())} "
-              f"({report.never_killed_catch_up_loads}) | {report.rounds[1]} | {report.hangs} "
-              f"| {len(report.leftovers) + len(report.children)} |")
+        print(
+            f"| {name} | {report.epochs_per_minute:.1f} | {ratio:.2f} | {report.median_epoch_time:.1f} s | {report.longest_stall:.1f} s | {around_kills} "
+            f"| {fmt(report.rejoin_times())} | {statistics.mean(report.ready_times()):.1f} s "
+            f"| {len(report.disagreements())} | {sum(report.catch_up_loads().values())} "
+            f"({report.never_killed_catch_up_loads}) | {report.rounds[1]} | {report.hangs} "
+            f"| {len(report.leftovers) + len(report.children)} |"
+        )
     print(f"\nchurn phase, swarm epoch every 30 s: {churn.timeline(30)}")
     for message, count in churn.warnings().most_common(3):
         print(f"churn phase warning, {count} times: {message}")

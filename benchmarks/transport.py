@@ -41,19 +41,30 @@ def make_certificate(directory: str) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
     with open(cert_path, "wb") as f:
         f.write(cert.public_bytes(serialization.Encoding.PEM))
     with open(key_path, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
     return cert_path, key_path
 
 
 # --- the receiving process ----------------------------------------------------------------------
+
 
 async def tcp_session(reader, writer) -> None:
     """First byte picks the mode: b"S" sink (count bytes, answer the total), b"E" echo 1 KiB."""
@@ -103,8 +114,13 @@ def receiver(conn, cert_path: str, key_path: str) -> None:
         host = await Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)).start()
         host.set_stream_handler(SINK, plexus_sink)
         host.set_stream_handler(ECHO, plexus_echo)
-        conn.send({"plain": plain.sockets[0].getsockname()[1], "tls": tls.sockets[0].getsockname()[1],
-                   "plexus": str(host.get_visible_maddrs()[0])})
+        conn.send(
+            {
+                "plain": plain.sockets[0].getsockname()[1],
+                "tls": tls.sockets[0].getsockname()[1],
+                "plexus": str(host.get_visible_maddrs()[0]),
+            }
+        )
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
 
@@ -122,13 +138,18 @@ def receiver(conn, cert_path: str, key_path: str) -> None:
 
 # --- the sending side ---------------------------------------------------------------------------
 
+
 class TCPVariant:
     def __init__(self, port: int, ssl_context=None):
         self.port, self.ssl_context = port, ssl_context
 
     async def connect(self):
-        return await asyncio.open_connection("127.0.0.1", self.port, ssl=self.ssl_context,
-                                             server_hostname="localhost" if self.ssl_context else None)
+        return await asyncio.open_connection(
+            "127.0.0.1",
+            self.port,
+            ssl=self.ssl_context,
+            server_hostname="localhost" if self.ssl_context else None,
+        )
 
     async def setup(self) -> None:
         reader, writer = await self.connect()
@@ -238,24 +259,34 @@ async def run(args) -> None:
         results = []
         try:
             results.append(await measure("plain asyncio TCP", TCPVariant(ports["plain"]), parent, args))
-            results.append(await measure("asyncio + TLS 1.3", TLSVariant(ports["tls"], client_tls), parent, args))
-            for ciphers, name in ((("AESGCM",), "plexus (Noise AESGCM + yamux)"),
-                                  (("ChaChaPoly",), "plexus (libp2p /noise ChaChaPoly + yamux)")):
+            results.append(
+                await measure("asyncio + TLS 1.3", TLSVariant(ports["tls"], client_tls), parent, args)
+            )
+            for ciphers, name in (
+                (("AESGCM",), "plexus (Noise AESGCM + yamux)"),
+                (("ChaChaPoly",), "plexus (libp2p /noise ChaChaPoly + yamux)"),
+            ):
                 results.append(await measure(name, PlexusVariant(ports["plexus"], ciphers), parent, args))
         finally:
             parent.send("stop")
             process.join(10)
     baseline = results[0]["mib_s"]
-    print(f"\n{args.bulk_mib} MiB one way (median of {BULK_RUNS}), {args.rounds} x 1 KiB round trips, {args.setups} connection set-ups, 127.0.0.1")
+    print(
+        f"\n{args.bulk_mib} MiB one way (median of {BULK_RUNS}), {args.rounds} x 1 KiB round trips, {args.setups} connection set-ups, 127.0.0.1"
+    )
     print(f"| variant | set-up ms | 1 KiB RTT µs | bulk MiB/s | x plain TCP | CPU-s/GiB (both ends) |")
     print(f"|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['setup_ms']:.2f} | {r['rtt_us']:.0f} | {r['mib_s']:,.0f} | "
-              f"{r['mib_s'] / baseline:.2f} | {r['cpu_per_gib']:.2f} |")
+        print(
+            f"| {r['name']} | {r['setup_ms']:.2f} | {r['rtt_us']:.0f} | {r['mib_s']:,.0f} | "
+            f"{r['mib_s'] / baseline:.2f} | {r['cpu_per_gib']:.2f} |"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--bulk-mib", type=int, default=256, help="MiB sent one way in the bulk test")
     parser.add_argument("--rounds", type=int, default=1000, help="1 KiB round trips")
     parser.add_argument("--setups", type=int, default=50, help="connections set up and closed")

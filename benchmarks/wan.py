@@ -76,18 +76,28 @@ def rtts(samples: list[float], rtt: float) -> str:
 
 def row_lab(args) -> None:
     """Plain TCP/UDP on each named profile, and on mixed and NATed paths."""
-    peers = {"dc1": "datacenter", "dc2": "datacenter", "cc1": "cross-continent", "cc2": "cross-continent",
-             "home1": "home", "home2": "home", "laptop": "notebook"}
+    peers = {
+        "dc1": "datacenter",
+        "dc2": "datacenter",
+        "cc1": "cross-continent",
+        "cc2": "cross-continent",
+        "home1": "home",
+        "home2": "home",
+        "laptop": "notebook",
+    }
     pairs = [("dc1", "dc2"), ("cc1", "cc2"), ("home1", "home2"), ("laptop", "home1"), ("home1", "laptop")]
     rows = []
     with WanLab(peers, seed=1) as lab:
-        prober = PathProber(lab, MeasureOptions(rtt_count=20, udp_count=4000, udp_interval=0.005,
-                                                tcp_seconds=12 if not args.quick else 5))
+        prober = PathProber(
+            lab,
+            MeasureOptions(
+                rtt_count=20, udp_count=4000, udp_interval=0.005, tcp_seconds=12 if not args.quick else 5
+            ),
+        )
         for a, b in pairs:
             rows.append(format_row(prober.measure(a, b)))
         counters = {key: value for key, value in lab.forwarder_stats().items() if key != "paths"}
-        rows.append(f"| forwarder | {json.dumps(counters)}"
-                    " | | | | | |")
+        rows.append(f"| forwarder | {json.dumps(counters)} | | | | | |")
         prober.close()
     table("The lab's links, plain TCP/UDP (MTU 1500, offloads, CUBIC)", HEADER, rows)
 
@@ -105,12 +115,17 @@ def row_forwarder(args) -> None:
             prober.close()
         buffers = (after["received"] - before["received"]) / 5
         segments = sum(n for n, _ in after["paths"].values()) - sum(n for n, _ in before["paths"].values())
-        rows.append(f"| {'TSO/GRO through the TUN' if offload else 'one packet per read'} | {mtu} | "
-                    f"{format_rate(m.throughput)} | {buffers:,.0f} | {segments / 5:,.0f} | "
-                    f"{m.rtt * 1e6:.0f} | {after['tun_dropped']} |")
-    table("The forwarder's ceiling: one TCP stream, no delay, no rate limit",
-          "| forwarder | MTU | TCP throughput | buffers/s (reads) | segments/s | RTT added µs (median) "
-          "| dropped by the TUN |", rows)
+        rows.append(
+            f"| {'TSO/GRO through the TUN' if offload else 'one packet per read'} | {mtu} | "
+            f"{format_rate(m.throughput)} | {buffers:,.0f} | {segments / 5:,.0f} | "
+            f"{m.rtt * 1e6:.0f} | {after['tun_dropped']} |"
+        )
+    table(
+        "The forwarder's ceiling: one TCP stream, no delay, no rate limit",
+        "| forwarder | MTU | TCP throughput | buffers/s (reads) | segments/s | RTT added µs (median) "
+        "| dropped by the TUN |",
+        rows,
+    )
 
 
 def row_setup(args) -> None:
@@ -127,16 +142,25 @@ def row_setup(args) -> None:
         plexus = peer(lab, "a", "setup", maddr, str(count)).wait_for("setup", TIMEOUT)
         server.finish()
         prober.close()
-    rows = [f"| plain TCP: connect | 1 | {rtts([c for c, _ in plain], rtt)} | |",
-            f"| plain TCP: connect + first answer | 2 | {rtts([f for _, f in plain], rtt)} | |"]
-    for key, what, bound in (("connect", "Plexus: TCP + Noise XX + yamux", 2),
-                             ("first", "Plexus: connect + first RPC answer", 3),
-                             ("again", "Plexus: a second RPC on that connection", 1)):
-        rows.append(f"| {what} | {bound} | {rtts(plexus[key], rtt)} | "
-                    f"{statistics.median(plexus[key]) / statistics.median([f for _, f in plain]):.2f} |")
-    table(f"Connection set-up on 1 Gbit/s x {rtt * 1e3:.0f} ms (TCP echo RTT measured: "
-          f"{measured_rtt * 1e3:.1f} ms), {count} fresh connections",
-          "| what | lower bound (RTT) | p50 / p99 (RTT) | x plain TCP connect + answer |", rows)
+    rows = [
+        f"| plain TCP: connect | 1 | {rtts([c for c, _ in plain], rtt)} | |",
+        f"| plain TCP: connect + first answer | 2 | {rtts([f for _, f in plain], rtt)} | |",
+    ]
+    for key, what, bound in (
+        ("connect", "Plexus: TCP + Noise XX + yamux", 2),
+        ("first", "Plexus: connect + first RPC answer", 3),
+        ("again", "Plexus: a second RPC on that connection", 1),
+    ):
+        rows.append(
+            f"| {what} | {bound} | {rtts(plexus[key], rtt)} | "
+            f"{statistics.median(plexus[key]) / statistics.median([f for _, f in plain]):.2f} |"
+        )
+    table(
+        f"Connection set-up on 1 Gbit/s x {rtt * 1e3:.0f} ms (TCP echo RTT measured: "
+        f"{measured_rtt * 1e3:.1f} ms), {count} fresh connections",
+        "| what | lower bound (RTT) | p50 / p99 (RTT) | x plain TCP connect + answer |",
+        rows,
+    )
 
 
 def row_dht(args) -> None:
@@ -155,7 +179,7 @@ def row_dht(args) -> None:
         maddr = nodes[0].wait_for("ready", TIMEOUT)["maddr"]
         joins = []
         for start in range(1, n, DHT_JOIN_BATCH):
-            batch = nodes[start:start + DHT_JOIN_BATCH]
+            batch = nodes[start : start + DHT_JOIN_BATCH]
             for node in batch:
                 node.send(f"join {maddr}")
             joins += [node.wait_for("ready", TIMEOUT)["seconds"] for node in batch]
@@ -171,18 +195,26 @@ def row_dht(args) -> None:
                 node.events.pop("got", None)
                 node.send(f"get {workers}")
                 got.append(node.wait_for("got", TIMEOUT))
-            results[round_name] = ([s for g in got for s in g["seconds"]], sum(g["found"] for g in got),
-                                   sum(len(g["seconds"]) for g in got))
+            results[round_name] = (
+                [s for g in got for s in g["seconds"]],
+                sum(g["found"] for g in got),
+                sum(len(g["seconds"]) for g in got),
+            )
         for node in nodes:
             node.finish()
-    rows = [f"| join (ping + lookup of itself), {DHT_JOIN_BATCH} at a time | 2 | {rtts(joins, rtt)} | |",
-            f"| store (5 replicas) | 1 | {rtts(stores, rtt)} | |"]
+    rows = [
+        f"| join (ping + lookup of itself), {DHT_JOIN_BATCH} at a time | 2 | {rtts(joins, rtt)} | |",
+        f"| store (5 replicas) | 1 | {rtts(stores, rtt)} | |",
+    ]
     for round_name, (seconds, found, total) in results.items():
         rows.append(f"| get(latest=True), {round_name} | 1 | {rtts(seconds, rtt)} | {found} / {total} |")
-    table(f"DHT, {n} nodes on home links (RTT {rtt * 1e3:.0f} ms configured, {measured_rtt * 1e3:.1f} ms "
-          f"plain TCP); one operation at a time, 8 keys of other nodes per node and round; lookups keep "
-          f"4 requests in flight (the default) unless said otherwise",
-          "| operation | lower bound (RTT) | p50 / p99 (RTT) | found |", rows)
+    table(
+        f"DHT, {n} nodes on home links (RTT {rtt * 1e3:.0f} ms configured, {measured_rtt * 1e3:.1f} ms "
+        f"plain TCP); one operation at a time, 8 keys of other nodes per node and round; lookups keep "
+        f"4 requests in flight (the default) unless said otherwise",
+        "| operation | lower bound (RTT) | p50 / p99 (RTT) | found |",
+        rows,
+    )
 
 
 def row_bulk(args) -> None:
@@ -200,13 +232,18 @@ def row_bulk(args) -> None:
         plexus = steady_rate(result["bins"], BIN, warmup)
         server.finish()
     bound = path.tcp_bound
-    rows = [f"| plain TCP | {format_rate(plain)} | {plain / bound:.2f} | 1.00 |",
-            f"| Plexus stream (Noise + yamux) | {format_rate(plexus)} | {plexus / bound:.2f} | "
-            f"{plexus / plain:.2f} |"]
-    table(f"One stream on {format_rate(path.rate)} x {path.rtt * 1e3:.0f} ms (BDP {path.bdp / 2**20:.1f} "
-          f"MiB), steady rate after {warmup:.0f} s of {seconds:.0f} s; bound {format_rate(bound)} "
-          f"(the link's goodput)",
-          "| sender | throughput | x link goodput | x plain TCP |", rows)
+    rows = [
+        f"| plain TCP | {format_rate(plain)} | {plain / bound:.2f} | 1.00 |",
+        f"| Plexus stream (Noise + yamux) | {format_rate(plexus)} | {plexus / bound:.2f} | "
+        f"{plexus / plain:.2f} |",
+    ]
+    table(
+        f"One stream on {format_rate(path.rate)} x {path.rtt * 1e3:.0f} ms (BDP {path.bdp / 2**20:.1f} "
+        f"MiB), steady rate after {warmup:.0f} s of {seconds:.0f} s; bound {format_rate(bound)} "
+        f"(the link's goodput)",
+        "| sender | throughput | x link goodput | x plain TCP |",
+        rows,
+    )
 
 
 def row_allreduce(args) -> None:
@@ -220,8 +257,10 @@ def row_allreduce(args) -> None:
         args_of = [str(n), str(mib), master]
         first = peer(lab, names[0], "allreduce", lab.address(names[0]), "0", *args_of, env=env)
         maddr = first.wait_for("dht", TIMEOUT)["maddr"]  # then it waits for the others in gloo's rendezvous
-        peers = [first] + [peer(lab, name, "allreduce", lab.address(name), str(i), *args_of, maddr, env=env)
-                           for i, name in enumerate(names[1:], start=1)]
+        peers = [first] + [
+            peer(lab, name, "allreduce", lab.address(name), str(i), *args_of, maddr, env=env)
+            for i, name in enumerate(names[1:], start=1)
+        ]
         for node in peers:
             node.wait_for("ready", TIMEOUT)
         times = {"plexus": [], "gloo": []}
@@ -238,17 +277,28 @@ def row_allreduce(args) -> None:
     size = mib * 2**20
     bound = 2 * size * (n - 1) / n * 8 / HOME_100.up
     plexus, gloo = min(times["plexus"]), min(times["gloo"])
-    rows = [f"| gloo all_reduce (ring, plain TCP) | {gloo:.1f} | {bound / gloo:.2f} | 1.00 |",
-            f"| DecentralizedAverager (butterfly, Noise + yamux) | {plexus:.1f} | {bound / plexus:.2f} | "
-            f"{gloo / plexus:.2f} |"]
-    table(f"All-reduce, {n} peers x {mib} MiB float32 on {format_rate(HOME_100.up)} x "
-          f"{HOME_100.rtt * 1e3:.0f} ms; best of {rounds} round(s); bound {bound:.1f} s (each peer sends "
-          f"and receives 2 (n-1)/n of the tensor)",
-          "| all-reduce | s/round | x bound (speed) | x gloo (speed) |", rows)
+    rows = [
+        f"| gloo all_reduce (ring, plain TCP) | {gloo:.1f} | {bound / gloo:.2f} | 1.00 |",
+        f"| DecentralizedAverager (butterfly, Noise + yamux) | {plexus:.1f} | {bound / plexus:.2f} | "
+        f"{gloo / plexus:.2f} |",
+    ]
+    table(
+        f"All-reduce, {n} peers x {mib} MiB float32 on {format_rate(HOME_100.up)} x "
+        f"{HOME_100.rtt * 1e3:.0f} ms; best of {rounds} round(s); bound {bound:.1f} s (each peer sends "
+        f"and receives 2 (n-1)/n of the tensor)",
+        "| all-reduce | s/round | x bound (speed) | x gloo (speed) |",
+        rows,
+    )
 
 
-ROWS = {"lab": row_lab, "forwarder": row_forwarder, "setup": row_setup, "dht": row_dht, "bulk": row_bulk,
-        "allreduce": row_allreduce}
+ROWS = {
+    "lab": row_lab,
+    "forwarder": row_forwarder,
+    "setup": row_setup,
+    "dht": row_dht,
+    "bulk": row_bulk,
+    "allreduce": row_allreduce,
+}
 
 
 # --- what runs inside the namespaces -------------------------------------------------------------------
@@ -368,8 +418,16 @@ def role_allreduce(ip: str, index: int, n: int, mib: int, master: str, initial: 
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{PORT + 1}", rank=index, world_size=n)
     tensor = torch.full((mib * 2**18,), float(index))
     expected = (n - 1) / 2
-    averager = DecentralizedAverager([tensor], dht, prefix="wanbench", target_group_size=n, min_group_size=n,
-                                     min_matchmaking_time=5.0, request_timeout=5.0, start=True)
+    averager = DecentralizedAverager(
+        [tensor],
+        dht,
+        prefix="wanbench",
+        target_group_size=n,
+        min_group_size=n,
+        min_matchmaking_time=5.0,
+        request_timeout=5.0,
+        start=True,
+    )
     emit("ready")
     rounds = {"plexus": 0, "gloo": 0}
     for command in stdin_lines():
@@ -416,8 +474,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--role":
         run_role(sys.argv[2:])
         return
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--dht-nodes", type=int, default=32)
     parser.add_argument("--allreduce-peers", type=int, default=8)
@@ -427,9 +486,12 @@ def main() -> None:
     reason = missing_prerequisite(("ip", "tc", "nft"))
     if reason is not None:
         raise SystemExit(f"the WAN lab cannot run here: {reason}")
-    profiles = [f"{name} {format_rate(p.down)}/{format_rate(p.up)} {p.rtt * 1e3:g} ms"
-                + (f" {p.loss:.1%} loss" if p.loss else "") + (" NAT" if p.nat else "")
-                for name, p in PROFILES.items()]
+    profiles = [
+        f"{name} {format_rate(p.down)}/{format_rate(p.up)} {p.rtt * 1e3:g} ms"
+        + (f" {p.loss:.1%} loss" if p.loss else "")
+        + (" NAT" if p.nat else "")
+        for name, p in PROFILES.items()
+    ]
     print(f"{os.cpu_count()} CPUs; profiles: " + ", ".join(profiles))
     for name in args.rows:
         ROWS[name](args)

@@ -33,13 +33,18 @@ class PeerError(PlexusError):
         phase: what was under way, e.g. "handshake", "part 3".
     """
 
-    def __init__(self, message: str, *, peer: Any = None, protocol: str | None = None, phase: str | None = None):
+    def __init__(
+        self, message: str, *, peer: Any = None, protocol: str | None = None, phase: str | None = None
+    ):
         super().__init__(message)
         self.peer, self.protocol, self.phase = peer, protocol, phase
 
     def __str__(self) -> str:
-        where = ", ".join(f"{name} {value}" for name, value in
-                          (("peer", self.peer), ("protocol", self.protocol), ("phase", self.phase)) if value)
+        where = ", ".join(
+            f"{name} {value}"
+            for name, value in (("peer", self.peer), ("protocol", self.protocol), ("phase", self.phase))
+            if value
+        )
         message = super().__str__()
         return f"{message} ({where})" if where else message
 

@@ -3,6 +3,7 @@
 It ships inside the `hivemind` wheel on PyPI; we download that wheel without dependencies and
 unpack only the binary into .cache/p2pd/. Plexus never depends on it at run time.
 """
+
 import os
 import stat
 import subprocess

@@ -321,14 +321,20 @@ def test_run_trainer_local_mode_trains_and_logs_mlm_separately(tokenized, tmp_pa
     assert all(entry["mlm_loss"] > 0 and entry["sop_loss"] > 0 for entry in logs if "mlm_loss" in entry)
 
 
-
 @pytest.mark.timeout(90)
 def test_run_trainer_says_when_no_initial_peer_answers(tokenized, tmp_path):
     pytest.importorskip("accelerate")
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEvvWortnaSePcHVKBND3Gvx6tJMFkhU2uXNwZLds7jjk"
     result = run_script(
-        "run_trainer.py", "--dataset_path", tokenized, "--initial_peers", unreachable,
-        "--output_dir", str(tmp_path / "outputs"), cwd=str(tmp_path), timeout=80,
+        "run_trainer.py",
+        "--dataset_path",
+        tokenized,
+        "--initial_peers",
+        unreachable,
+        "--output_dir",
+        str(tmp_path / "outputs"),
+        cwd=str(tmp_path),
+        timeout=80,
     )
     assert result.returncode != 0 and "could not reach any initial peer" in result.stderr
 

@@ -27,13 +27,19 @@ def run(coroutine, timeout):
 
 def make_tensors(seed, shapes=SHAPES, dtypes=DTYPES):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator).mul_(seed + 1).to(dtype) for shape, dtype in zip(shapes, dtypes)]
+    return [
+        torch.randn(shape, generator=generator).mul_(seed + 1).to(dtype)
+        for shape, dtype in zip(shapes, dtypes)
+    ]
 
 
 def weighted_mean(tensor_sets, weights):
     """The reference: the weighted mean in float64 of each tensor over the given peers."""
     total = sum(weights)
-    return [sum(w * ts[i].double() for ts, w in zip(tensor_sets, weights)) / total for i in range(len(tensor_sets[0]))]
+    return [
+        sum(w * ts[i].double() for ts, w in zip(tensor_sets, weights)) / total
+        for i in range(len(tensor_sets[0]))
+    ]
 
 
 def assert_close(got, expected):
@@ -61,12 +67,32 @@ class Swarm:
     async def __aexit__(self, *exc_info):
         await asyncio.gather(*(h.shutdown() for h in self.hosts))
 
-    def runners(self, tensor_sets, fractions, modes=None, weights=None, group_id=b"group-1", only=None,
-                outputs=None, **options):
+    def runners(
+        self,
+        tensor_sets,
+        fractions,
+        modes=None,
+        weights=None,
+        group_id=b"group-1",
+        only=None,
+        outputs=None,
+        **options,
+    ):
         weights = weights or [1.0] * self.n
-        return [AllReduceRunner(self.hosts[i], group_id, tensor_sets[i], self.peer_ids, fractions, modes,
-                                weight=weights[i], outputs=outputs and outputs[i], **options)
-                for i in (only if only is not None else range(self.n))]
+        return [
+            AllReduceRunner(
+                self.hosts[i],
+                group_id,
+                tensor_sets[i],
+                self.peer_ids,
+                fractions,
+                modes,
+                weight=weights[i],
+                outputs=outputs and outputs[i],
+                **options,
+            )
+            for i in (only if only is not None else range(self.n))
+        ]
 
     async def run(self, runners):
         async def one(runner):
@@ -151,8 +177,14 @@ def test_exact_weighted_average_with_uneven_spans_and_many_parts(n):
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             weights = [1.0 + 0.5 * i for i in range(n)]
             fractions = [i + 1 for i in range(n)]
-            runners = swarm.runners(tensor_sets, fractions, weights=weights, part_size_bytes=256,
-                                    sender_timeout=10, reducer_timeout=20)
+            runners = swarm.runners(
+                tensor_sets,
+                fractions,
+                weights=weights,
+                part_size_bytes=256,
+                sender_timeout=10,
+                reducer_timeout=20,
+            )
             assert sum(r.num_parts for r in runners) > 3 * n  # many parts per span
             reports = await swarm.run(runners)
             assert all(report.complete for report in reports)
@@ -174,14 +206,23 @@ def test_client_and_aux_modes_and_alpha(separate_outputs):
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             results, outputs = results_of(tensor_sets, separate_outputs)
             modes, weights = [NODE, CLIENT, AUX, NODE], [1.0, 3.0, 5.0, 2.0]
-            runners = swarm.runners(tensor_sets, [1, 0, 2, 1], modes, weights, part_size_bytes=512,
-                                    averaging_alpha=0.5, outputs=outputs)
+            runners = swarm.runners(
+                tensor_sets,
+                [1, 0, 2, 1],
+                modes,
+                weights,
+                part_size_bytes=512,
+                averaging_alpha=0.5,
+                outputs=outputs,
+            )
             assert runners[1].num_parts == 0 and runners[2].weight == 0.0
             reports = await swarm.run(runners)
             assert all(report.complete for report in reports)
             mean = weighted_mean([originals[0], originals[1], originals[3]], [1.0, 3.0, 2.0])
             for i in (0, 1, 3):
-                assert_close(results[i], [x.double() + 0.5 * (m - x.double()) for x, m in zip(originals[i], mean)])
+                assert_close(
+                    results[i], [x.double() + 0.5 * (m - x.double()) for x, m in zip(originals[i], mean)]
+                )
             for t, o in zip(results[2], originals[2]):
                 assert torch.equal(t, o)  # AUX tensors are left alone
             assert_untouched(tensor_sets, originals, separate_outputs)
@@ -201,8 +242,9 @@ def test_float16_compression_within_its_error_bound(separate_outputs):
             tensor_sets = [make_tensors(seed, dtypes=float32) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             results, outputs = results_of(tensor_sets, separate_outputs)
-            runners = swarm.runners(tensor_sets, [1, 1, 1], compression=Float16Compression(), part_size_bytes=600,
-                                    outputs=outputs)
+            runners = swarm.runners(
+                tensor_sets, [1, 1, 1], compression=Float16Compression(), part_size_bytes=600, outputs=outputs
+            )
             sizes = {p.numel for r in range(3) for p in runners[0].partition.parts(r) if p.tensor_index == 2}
             assert max(sizes) == 300  # 600 wire bytes of float16: parts are sized after compression
             reports = await swarm.run(runners)
@@ -227,8 +269,9 @@ def test_zero_total_weight_keeps_local_values(separate_outputs):
             tensor_sets = [make_tensors(seed) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             results, outputs = results_of(tensor_sets, separate_outputs)
-            reports = await swarm.run(swarm.runners(tensor_sets, [1, 1, 1], weights=[0.0] * 3, part_size_bytes=512,
-                                                    outputs=outputs))
+            reports = await swarm.run(
+                swarm.runners(tensor_sets, [1, 1, 1], weights=[0.0] * 3, part_size_bytes=512, outputs=outputs)
+            )
             assert all(report.complete for report in reports)
             for ts, os in zip(results, originals):
                 assert all(torch.equal(t, o) for t, o in zip(ts, os))
@@ -246,14 +289,23 @@ def test_a_client_that_never_sends_is_excluded_and_the_rest_average():
         async with Swarm(3) as swarm:
             tensor_sets = [make_tensors(seed) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            runners = swarm.runners(tensor_sets, [1, 1, 0], [NODE, NODE, CLIENT], only=[0, 1], part_size_bytes=512,
-                                    sender_timeout=0.5, reducer_timeout=3)
+            runners = swarm.runners(
+                tensor_sets,
+                [1, 1, 0],
+                [NODE, NODE, CLIENT],
+                only=[0, 1],
+                part_size_bytes=512,
+                sender_timeout=0.5,
+                reducer_timeout=3,
+            )
             started = time.monotonic()
             reports = await swarm.run(runners)
             assert time.monotonic() - started < 3
             silent = swarm.peer_ids[2]
             for report in reports:
-                assert not report.failed_spans and "did not open its stream" in report.excluded_senders[silent]
+                assert (
+                    not report.failed_spans and "did not open its stream" in report.excluded_senders[silent]
+                )
             expected = weighted_mean(originals[:2], [1, 1])
             assert_close(tensor_sets[0], expected)
             assert_close(tensor_sets[1], expected)
@@ -270,8 +322,15 @@ def test_a_silent_reducer_fails_its_span_and_the_others_keep_local_values_there(
             tensor_sets = [make_tensors(seed, dtypes=float32) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             results, outputs = results_of(tensor_sets, separate_outputs)
-            runners = swarm.runners(tensor_sets, [1, 1, 1], only=[0, 1], part_size_bytes=512,
-                                    sender_timeout=0.4, reducer_timeout=1.0, outputs=outputs)
+            runners = swarm.runners(
+                tensor_sets,
+                [1, 1, 1],
+                only=[0, 1],
+                part_size_bytes=512,
+                sender_timeout=0.4,
+                reducer_timeout=1.0,
+                outputs=outputs,
+            )
             started = time.monotonic()
             reports = await swarm.run(runners)
             assert time.monotonic() - started < 4
@@ -284,9 +343,12 @@ def test_a_silent_reducer_fails_its_span_and_the_others_keep_local_values_there(
             for i in (0, 1):
                 for reducer in range(3):
                     for part in partition.parts(reducer):
-                        got = results[i][part.tensor_index].view(-1)[part.start:part.stop]
-                        want = (expected[part.tensor_index].view(-1) if reducer < 2 else
-                                originals[i][part.tensor_index].view(-1))[part.start:part.stop]
+                        got = results[i][part.tensor_index].view(-1)[part.start : part.stop]
+                        want = (
+                            expected[part.tensor_index].view(-1)
+                            if reducer < 2
+                            else originals[i][part.tensor_index].view(-1)
+                        )[part.start : part.stop]
                         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
 
     run(main(), 25)
@@ -314,8 +376,9 @@ def test_a_sender_that_stalls_mid_span_is_excluded_from_later_parts_only():
             float32 = [torch.float32] * len(SHAPES)
             tensor_sets = [make_tensors(seed, dtypes=float32) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            runners = swarm.runners(tensor_sets, [1, 1, 1], part_size_bytes=512, sender_timeout=0.5,
-                                    reducer_timeout=1.5)
+            runners = swarm.runners(
+                tensor_sets, [1, 1, 1], part_size_bytes=512, sender_timeout=0.5, reducer_timeout=1.5
+            )
             stall_after(runners[2], 2)
             reports = await swarm.run(runners)
             staller = swarm.peer_ids[2]
@@ -334,8 +397,8 @@ def test_a_sender_that_stalls_mid_span_is_excluded_from_later_parts_only():
                             source = originals[2]  # it got no answer: local values
                         else:
                             source = survivors
-                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start:part.stop]
-                        want = source[part.tensor_index].view(-1)[part.start:part.stop]
+                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start : part.stop]
+                        want = source[part.tensor_index].view(-1)[part.start : part.stop]
                         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
 
     run(main(), 25)
@@ -352,8 +415,14 @@ def test_a_peer_whose_host_dies_mid_round_leaves_each_part_averaged_or_local():
             shapes, float32 = [(40_000,), (30_001,)], [torch.float32] * 2
             tensor_sets = [make_tensors(seed, shapes, float32) for seed in range(4)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            runners = swarm.runners(tensor_sets, [1, 1, 1, 1], part_size_bytes=4096, sender_timeout=0.5,
-                                    reducer_timeout=1.5, window=2)
+            runners = swarm.runners(
+                tensor_sets,
+                [1, 1, 1, 1],
+                part_size_bytes=4096,
+                sender_timeout=0.5,
+                reducer_timeout=1.5,
+                window=2,
+            )
             victim = runners[3]
             answered = asyncio.Event()
             original_apply = victim._apply_answer
@@ -382,13 +451,18 @@ def test_a_peer_whose_host_dies_mid_round_leaves_each_part_averaged_or_local():
                 for part in partition.parts(reducer):
                     values = []
                     for i in range(3):
-                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start:part.stop].double()
-                        local = originals[i][part.tensor_index].view(-1)[part.start:part.stop].double()
-                        candidates = [s[part.tensor_index].view(-1)[part.start:part.stop] for s in (everyone, survivors)]
+                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start : part.stop].double()
+                        local = originals[i][part.tensor_index].view(-1)[part.start : part.stop].double()
+                        candidates = [
+                            s[part.tensor_index].view(-1)[part.start : part.stop]
+                            for s in (everyone, survivors)
+                        ]
                         if torch.allclose(got, local, rtol=0, atol=0):
                             averaged_prefix[i] = False
                             continue
-                        assert averaged_prefix[i], f"peer {i} has an averaged part after a local one in span {reducer}"
+                        assert averaged_prefix[i], (
+                            f"peer {i} has an averaged part after a local one in span {reducer}"
+                        )
                         assert any(torch.allclose(got, c, rtol=1e-5, atol=1e-5) for c in candidates)
                         values.append(got)
                     assert all(torch.equal(v, values[0]) for v in values)  # the same average everywhere
@@ -398,7 +472,9 @@ def test_a_peer_whose_host_dies_mid_round_leaves_each_part_averaged_or_local():
     run(main(), 35)
 
 
-@pytest.mark.parametrize("garbage", ["wrong size", "bad buffer", "bad first header", "bad later header", "nan"])
+@pytest.mark.parametrize(
+    "garbage", ["wrong size", "bad buffer", "bad first header", "bad later header", "nan"]
+)
 @pytest.mark.timeout(30)
 def test_garbage_from_one_sender_excludes_it_and_leaves_the_others_exact(garbage):
     async def main():
@@ -406,14 +482,21 @@ def test_garbage_from_one_sender_excludes_it_and_leaves_the_others_exact(garbage
             float32 = [torch.float32] * len(SHAPES)
             tensor_sets = [make_tensors(seed, dtypes=float32) for seed in range(3)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
-            runners = swarm.runners(tensor_sets, [1, 1, 1], part_size_bytes=512, reject_nonfinite=True,
-                                    sender_timeout=1.0, reducer_timeout=2.0)
+            runners = swarm.runners(
+                tensor_sets,
+                [1, 1, 1],
+                part_size_bytes=512,
+                reject_nonfinite=True,
+                sender_timeout=1.0,
+                reducer_timeout=2.0,
+            )
             cheat, first_bad = runners[2], 1 if garbage == "bad later header" else 0
             honest = cheat._part_frames
             if garbage == "nan":
                 for j in (0, 1):  # poison the first part it sends to each reducer
                     cheat.partition.view(cheat.partition.part(j, 0))[0] = float("nan")
             else:
+
                 async def frames(j):
                     count = 0
                     async for frame in honest(j):
@@ -422,29 +505,42 @@ def test_garbage_from_one_sender_excludes_it_and_leaves_the_others_exact(garbage
                         count += 1
                         yield frame
                     part = cheat.partition.part(j, first_bad)
-                    header = PartHeader(part.index, part.numel + (garbage == "wrong size"), "float32", 0,
-                                        cheat.group_id if first_bad == 0 else None, 1.0 if first_bad == 0 else None)
+                    header = PartHeader(
+                        part.index,
+                        part.numel + (garbage == "wrong size"),
+                        "float32",
+                        0,
+                        cheat.group_id if first_bad == 0 else None,
+                        1.0 if first_bad == 0 else None,
+                    )
                     yield b"\xc1\x00garbage" if "header" in garbage else header.encode()
                     yield b"\x00" * (4 * part.numel - (garbage == "bad buffer"))
 
                 cheat._part_frames = frames
             reports = await swarm.run(runners)
-            reasons = {"wrong size": "expected", "bad buffer": "does not match", "bad later header": "not valid msgpack",
-                       "bad first header": "did not open its stream", "nan": "NaN or inf"}
+            reasons = {
+                "wrong size": "expected",
+                "bad buffer": "does not match",
+                "bad later header": "not valid msgpack",
+                "bad first header": "did not open its stream",
+                "nan": "NaN or inf",
+            }
             for report in reports[:2]:
                 assert reasons[garbage] in report.excluded_senders[swarm.peer_ids[2]]
                 assert not report.failed_spans
             assert len(reports[2].failed_spans) == 2
             for failure in reports[2].failed_spans:  # the cheat is told why
-                assert ("not valid msgpack" if garbage == "bad first header" else "excluded you") in failure.reason
+                assert (
+                    "not valid msgpack" if garbage == "bad first header" else "excluded you"
+                ) in failure.reason
             everyone, survivors = weighted_mean(originals, [1, 1, 1]), weighted_mean(originals[:2], [1, 1])
             partition = runners[0].partition
             for i in (0, 1):
                 for reducer in (0, 1):
                     for part in partition.parts(reducer):
-                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start:part.stop]
+                        got = tensor_sets[i][part.tensor_index].view(-1)[part.start : part.stop]
                         source = everyone if part.index < first_bad else survivors
-                        want = source[part.tensor_index].view(-1)[part.start:part.stop]
+                        want = source[part.tensor_index].view(-1)[part.start : part.stop]
                         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
 
     run(main(), 25)
@@ -511,8 +607,16 @@ def _process_peer(index, n, connection, shapes):
             if peer_id != host.peer_id:
                 host.add_addrs(peer_id, [Multiaddr(a) for a in addrs])
         tensors = make_tensors(index, shapes, [torch.float32] * len(shapes))
-        runner = AllReduceRunner(host, b"processes", tensors, peer_ids, [1] * n, weight=index + 1.0,
-                                 sender_timeout=5, reducer_timeout=10)
+        runner = AllReduceRunner(
+            host,
+            b"processes",
+            tensors,
+            peer_ids,
+            [1] * n,
+            weight=index + 1.0,
+            sender_timeout=5,
+            reducer_timeout=10,
+        )
         started = time.perf_counter()
         with router.register(runner):
             report = await runner.run()
@@ -526,8 +630,9 @@ def _process_peer(index, n, connection, shapes):
 def run_in_processes(n, shapes, timeout):
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe() for _ in range(n)]
-    processes = [context.Process(target=_process_peer, args=(i, n, pipes[i][1], shapes), daemon=True)
-                 for i in range(n)]
+    processes = [
+        context.Process(target=_process_peer, args=(i, n, pipes[i][1], shapes), daemon=True) for i in range(n)
+    ]
     for process in processes:
         process.start()
     try:

@@ -15,8 +15,13 @@ from plexus.averaging.averager import DecentralizedAverager
 from plexus.dht.dht import DHT
 from plexus.dht.node import DHTBootstrapError
 from plexus.p2p import rpc
-from plexus.p2p.auth import (AccessToken, AuthorizationError, SignedTokenAuthorizer, TokenAuthority,
-                             TokenAuthorizerBase)
+from plexus.p2p.auth import (
+    AccessToken,
+    AuthorizationError,
+    SignedTokenAuthorizer,
+    TokenAuthority,
+    TokenAuthorizerBase,
+)
 from plexus.p2p.host import Host
 from plexus.p2p.identity import PrivateKey
 from plexus.p2p.stream import StreamError
@@ -49,12 +54,21 @@ def test_tokens_bind_a_key_an_authority_and_a_time():
         assert await checker.validate(key.peer_id, key.public_key, good.encode()) == good.expiration_time
         cases = [
             (thief.public_key, good, "names another key"),  # a copied token is useless to anyone else
-            (key.public_key, other_authority.issue(key.public_key, "alice"),
-             "not signed by this run's authority"),
-            (key.public_key, AccessToken("mallory", key.public_key.to_protobuf(), get_dht_time() + 60,
-                                         b"\x00" * 64), "not signed by this run's authority"),
-            (key.public_key, AccessToken("alice", good.public_key, good.expiration_time + 1, good.signature),
-             "not signed"),  # a longer life is a different token
+            (
+                key.public_key,
+                other_authority.issue(key.public_key, "alice"),
+                "not signed by this run's authority",
+            ),
+            (
+                key.public_key,
+                AccessToken("mallory", key.public_key.to_protobuf(), get_dht_time() + 60, b"\x00" * 64),
+                "not signed by this run's authority",
+            ),
+            (
+                key.public_key,
+                AccessToken("alice", good.public_key, good.expiration_time + 1, good.signature),
+                "not signed",
+            ),  # a longer life is a different token
             (key.public_key, authority.issue(key.public_key, "alice", lifetime=-1), "expired"),
         ]
         for public_key, token, reason in cases:
@@ -66,8 +80,10 @@ def test_tokens_bind_a_key_an_authority_and_a_time():
         clock, issued = ManualClock(1000.0), []
         with use_clock(clock):
             mine = SignedTokenAuthorizer(
-                authority.public_key, lambda k: issued.append(k) or authority.issue(k, lifetime=100),
-                refresh_before=30)
+                authority.public_key,
+                lambda k: issued.append(k) or authority.issue(k, lifetime=100),
+                refresh_before=30,
+            )
             mine.bind(key)
             first = await mine.credentials()
             assert await mine.credentials() == first and len(issued) == 1
@@ -78,8 +94,12 @@ def test_tokens_bind_a_key_an_authority_and_a_time():
             with pytest.raises(ValueError, match="another key"):
                 await wrong.credentials()
         with pytest.raises(ValueError, match="not the host's identity"):
-            Host(key, authorizer=SignedTokenAuthorizer(authority.public_key, authority.issue,
-                                                       local_private_key=thief))
+            Host(
+                key,
+                authorizer=SignedTokenAuthorizer(
+                    authority.public_key, authority.issue, local_private_key=thief
+                ),
+            )
 
     run(main())
 
@@ -94,8 +114,10 @@ def test_members_talk_and_outsiders_are_refused_on_every_protocol(caplog):
     async def main():
         authority = TokenAuthority()
         # negotiate_timeout: how long a peer's token may keep us waiting
-        server, friend = [await Host(host_maddrs=LOCAL, negotiate_timeout=1,
-                                     authorizer=member(authority)).start() for _ in range(2)]
+        server, friend = [
+            await Host(host_maddrs=LOCAL, negotiate_timeout=1, authorizer=member(authority)).start()
+            for _ in range(2)
+        ]
         for protocol in PROTOCOLS:
             rpc.add_handler(server, protocol, echo)
         addr = server.get_visible_maddrs()[0]
@@ -111,8 +133,10 @@ def test_members_talk_and_outsiders_are_refused_on_every_protocol(caplog):
                 await rpc.call(stranger, server.peer_id, protocol, b"hi", timeout=5)
         await asyncio.wait_for(connection.closed.wait(), 5)
         # A token of another run's authority, or for another key: refused, and the caller is told why.
-        for authorizer, reason in ((member(TokenAuthority()), "not signed by this run's authority"),
-                                   (SignedTokenAuthorizer(authority.public_key, authority.issue), None)):
+        for authorizer, reason in (
+            (member(TokenAuthority()), "not signed by this run's authority"),
+            (SignedTokenAuthorizer(authority.public_key, authority.issue), None),
+        ):
             intruder = await Host(host_maddrs=(), authorizer=authorizer).start()
             intruder.add_addrs(server.peer_id, server.get_listen_maddrs())
             if reason is None:  # a stolen token: issued to the friend's key, presented under another
@@ -149,8 +173,10 @@ def test_an_expired_token_is_refused_and_a_renewed_one_lets_the_member_back_in(c
                     tokens.append(authority.issue(key, lifetime=1))
                 return tokens[-1]
 
-            client = await Host(host_maddrs=(), authorizer=SignedTokenAuthorizer(
-                authority.public_key, get_token, refresh_before=0.5)).start()
+            client = await Host(
+                host_maddrs=(),
+                authorizer=SignedTokenAuthorizer(authority.public_key, get_token, refresh_before=0.5),
+            ).start()
             client.add_addrs(server.peer_id, server.get_listen_maddrs())
             assert await rpc.call(client, server.peer_id, PROTOCOLS[0], b"a", timeout=5) == b"a"
             renew[0] = False
@@ -191,8 +217,10 @@ def test_tokens_are_renewed_before_they_expire_on_open_connections():
 
         server = await Host(host_maddrs=LOCAL, authorizer=member(authority, lifetime=30)).start()
         rpc.add_handler(server, PROTOCOLS[0], echo)
-        client = await Host(host_maddrs=(), authorizer=SignedTokenAuthorizer(authority.public_key, get_token,
-                                                                            refresh_before=1.0)).start()
+        client = await Host(
+            host_maddrs=(),
+            authorizer=SignedTokenAuthorizer(authority.public_key, get_token, refresh_before=1.0),
+        ).start()
         client.add_addrs(server.peer_id, server.get_listen_maddrs())
         started = get_dht_time()
         while get_dht_time() - started < 4:  # the scenario: more than two lifetimes of the token
@@ -223,15 +251,28 @@ class _Refuser(TokenAuthorizerBase):
 def test_authorized_peers_average_and_share_state_and_outsiders_cannot_join():
     authority = TokenAuthority()
     first = DHT(start=True, host_maddrs=list(LOCAL), authorizer=member(authority))
-    second = DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=list(LOCAL),
-                 authorizer=member(authority))
+    second = DHT(
+        initial_peers=first.get_visible_maddrs(),
+        start=True,
+        host_maddrs=list(LOCAL),
+        authorizer=member(authority),
+    )
     averagers = []
     try:
         assert second.store("run", "members only", get_dht_time() + 60)
         assert first.get("run", latest=True).value == "members only"
-        averagers = [DecentralizedAverager([torch.full((100,), float(i))], dht, prefix="private", start=True,
-                                           target_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
-                     for i, dht in enumerate((first, second))]
+        averagers = [
+            DecentralizedAverager(
+                [torch.full((100,), float(i))],
+                dht,
+                prefix="private",
+                start=True,
+                target_group_size=2,
+                min_matchmaking_time=1.0,
+                request_timeout=0.5,
+            )
+            for i, dht in enumerate((first, second))
+        ]
         controls = [averager.step(wait=False, timeout=30) for averager in averagers]
         for control in controls:
             control.result()
@@ -242,8 +283,13 @@ def test_authorized_peers_average_and_share_state_and_outsiders_cannot_join():
         assert torch.allclose(tensors[0], torch.full((100,), 0.5))
         for authorizer in (None, member(TokenAuthority()), _Refuser()):
             with pytest.raises((DHTBootstrapError, TimeoutError)):
-                DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=list(LOCAL),
-                    authorizer=authorizer, startup_timeout=20).shutdown()
+                DHT(
+                    initial_peers=first.get_visible_maddrs(),
+                    start=True,
+                    host_maddrs=list(LOCAL),
+                    authorizer=authorizer,
+                    startup_timeout=20,
+                ).shutdown()
         assert first.get("run", latest=True).value == "members only"
     finally:
         for thing in averagers + [second, first]:

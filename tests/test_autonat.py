@@ -65,7 +65,9 @@ def test_dial_backs_decide_public_private_and_refusals():
             autonat = AutoNAT(public, confidence=1)
             assert await autonat.probe() is Reachability.PUBLIC
             answer = autonat.answers[server.peer_id]
-            assert Multiaddr.from_bytes(answer.addr) in [a.without_peer_id() for a in public.get_visible_maddrs()]
+            assert Multiaddr.from_bytes(answer.addr) in [
+                a.without_peer_id() for a in public.get_visible_maddrs()
+            ]
             assert autonat.mode(relays_available=True) == "direct"
 
             autonat = AutoNAT(private, confidence=1)

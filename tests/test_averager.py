@@ -21,7 +21,9 @@ FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5)
 
 def make_swarm(n: int) -> list[DHT]:
     first = DHT(start=True, host_maddrs=LOCAL)
-    return [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(n - 1)]
+    return [first] + [
+        DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(n - 1)
+    ]
 
 
 def close(*things) -> None:
@@ -31,22 +33,31 @@ def close(*things) -> None:
 
 def tensors_of(i: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(i)
-    return [torch.randn(1000, generator=generator), torch.randn(3, 7, generator=generator, dtype=torch.float64),
-            torch.randn(5, generator=generator).to(torch.bfloat16)]
+    return [
+        torch.randn(1000, generator=generator),
+        torch.randn(3, 7, generator=generator, dtype=torch.float64),
+        torch.randn(5, generator=generator).to(torch.bfloat16),
+    ]
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_weighted_means_and_gather(n):
     dhts = make_swarm(n)
-    averagers = [DecentralizedAverager(tensors_of(i), dht, prefix="mean", target_group_size=n, start=True, **FAST)
-                 for i, dht in enumerate(dhts)]
+    averagers = [
+        DecentralizedAverager(tensors_of(i), dht, prefix="mean", target_group_size=n, start=True, **FAST)
+        for i, dht in enumerate(dhts)
+    ]
     try:
         weights = [1.0 + i for i in range(n)]
-        controls = [a.step(gather={"rank": i}, weight=w, wait=False, timeout=20)
-                    for i, (a, w) in enumerate(zip(averagers, weights))]
+        controls = [
+            a.step(gather={"rank": i}, weight=w, wait=False, timeout=20)
+            for i, (a, w) in enumerate(zip(averagers, weights))
+        ]
         results = [control.result() for control in controls]
-        expected = [sum(w * t[k].double() for w, t in zip(weights, map(tensors_of, range(n)))) / sum(weights)
-                    for k in range(3)]
+        expected = [
+            sum(w * t[k].double() for w, t in zip(weights, map(tensors_of, range(n)))) / sum(weights)
+            for k in range(3)
+        ]
         for averager, result in zip(averagers, results):
             assert sorted(g["rank"] for g in result.values()) == list(range(n))
             assert set(result) == {a.peer_id for a in averagers}
@@ -65,8 +76,10 @@ def test_rounds_average_the_callers_own_tensors_in_place(strided):
     place during the round; a strided view is copied first."""
     dhts = make_swarm(2)
     local = [[tensors_of(i)[0], tensors_of(i)[1].t() if strided else tensors_of(i)[1]] for i in range(2)]
-    averagers = [DecentralizedAverager(local[i], dht, prefix="rounds", target_group_size=2, start=True, **FAST)
-                 for i, dht in enumerate(dhts)]
+    averagers = [
+        DecentralizedAverager(local[i], dht, prefix="rounds", target_group_size=2, start=True, **FAST)
+        for i, dht in enumerate(dhts)
+    ]
     try:
         expected = [(a + b) / 2 for a, b in zip(*local)]
         for round_index in range(3):
@@ -89,8 +102,10 @@ def test_rounds_average_the_callers_own_tensors_in_place(strided):
 def test_cuda_tensors_are_averaged_in_place_through_a_cpu_working_copy():
     dhts = make_swarm(2)
     local = [[t.cuda() for t in tensors_of(i)] for i in range(2)]
-    averagers = [DecentralizedAverager(local[i], dht, prefix="cuda", target_group_size=2, start=True, **FAST)
-                 for i, dht in enumerate(dhts)]
+    averagers = [
+        DecentralizedAverager(local[i], dht, prefix="cuda", target_group_size=2, start=True, **FAST)
+        for i, dht in enumerate(dhts)
+    ]
     try:
         for control in [averager.step(wait=False, timeout=20) for averager in averagers]:
             control.result()
@@ -107,19 +122,33 @@ def test_cuda_tensors_are_averaged_in_place_through_a_cpu_working_copy():
 def test_client_and_auxiliary_modes():
     dhts = make_swarm(3)
     client_dht = DHT(initial_peers=dhts[0].get_visible_maddrs(), start=True, client_mode=True)
-    node_a = DecentralizedAverager([torch.zeros(64)], dhts[0], prefix="modes", target_group_size=4, start=True, **FAST)
-    node_b = DecentralizedAverager([torch.full((64,), 4.0)], dhts[1], prefix="modes", target_group_size=4, start=True, **FAST)
-    aux = DecentralizedAverager([torch.full((64,), 100.0)], dhts[2], prefix="modes", target_group_size=4,
-                                auxiliary=True, start=True, **FAST)
-    client = DecentralizedAverager([torch.full((64,), 8.0)], client_dht, prefix="modes", target_group_size=4,
-                                   start=True, **FAST)
+    node_a = DecentralizedAverager(
+        [torch.zeros(64)], dhts[0], prefix="modes", target_group_size=4, start=True, **FAST
+    )
+    node_b = DecentralizedAverager(
+        [torch.full((64,), 4.0)], dhts[1], prefix="modes", target_group_size=4, start=True, **FAST
+    )
+    aux = DecentralizedAverager(
+        [torch.full((64,), 100.0)],
+        dhts[2],
+        prefix="modes",
+        target_group_size=4,
+        auxiliary=True,
+        start=True,
+        **FAST,
+    )
+    client = DecentralizedAverager(
+        [torch.full((64,), 8.0)], client_dht, prefix="modes", target_group_size=4, start=True, **FAST
+    )
     try:
         controls = [a.step(wait=False, timeout=20) for a in (node_a, node_b, aux, client)]
         for control in controls:
             assert len(control.result()) == 4
         for averager in (node_a, node_b, client):
             with averager.get_tensors() as (tensor,):
-                assert torch.allclose(tensor, torch.full((64,), 4.0)), "the mean of 0, 4 and 8; aux adds nothing"
+                assert torch.allclose(tensor, torch.full((64,), 4.0)), (
+                    "the mean of 0, 4 and 8; aux adds nothing"
+                )
         with aux.get_tensors() as (tensor,):
             assert torch.equal(tensor, torch.full((64,), 100.0)), "an auxiliary peer's tensors are left alone"
         with pytest.raises(ValueError):
@@ -130,8 +159,12 @@ def test_client_and_auxiliary_modes():
 
 def test_lone_peer_gets_a_clear_error_and_trigger_gates_the_allreduce():
     dhts = make_swarm(2)
-    a, b = (DecentralizedAverager([torch.full((8,), float(i))], dht, prefix="gate", target_group_size=2,
-                                  start=True, **FAST) for i, dht in enumerate(dhts))
+    a, b = (
+        DecentralizedAverager(
+            [torch.full((8,), float(i))], dht, prefix="gate", target_group_size=2, start=True, **FAST
+        )
+        for i, dht in enumerate(dhts)
+    )
     try:
         with pytest.raises(AveragingError, match="could not find a group"):
             a.step(timeout=2)
@@ -152,8 +185,12 @@ def test_lone_peer_gets_a_clear_error_and_trigger_gates_the_allreduce():
 
 def test_newcomer_downloads_state_while_the_donors_average():
     dhts = make_swarm(3)
-    donors = [DecentralizedAverager([torch.full((200_000,), float(i))], dht, prefix="state", target_group_size=2,
-                                    start=True, **FAST) for i, dht in enumerate(dhts[:2])]
+    donors = [
+        DecentralizedAverager(
+            [torch.full((200_000,), float(i))], dht, prefix="state", target_group_size=2, start=True, **FAST
+        )
+        for i, dht in enumerate(dhts[:2])
+    ]
     newcomer = DecentralizedAverager([torch.zeros(200_000)], dhts[2], prefix="state", start=True, **FAST)
     try:
         controls = [d.step(wait=False, timeout=20) for d in donors]
@@ -171,9 +208,18 @@ def test_newcomer_downloads_state_while_the_donors_average():
 def _peer_process(index: int, initial_peers, pipe, size: int) -> None:
     torch.set_num_threads(1)
     dht = DHT(initial_peers=initial_peers, start=True, host_maddrs=LOCAL)
-    averager = DecentralizedAverager([torch.full((size,), float(index))], dht, prefix="killed", target_group_size=3,
-                                     min_matchmaking_time=2.0, request_timeout=1.0, sender_timeout=2.0,
-                                     reducer_timeout=4.0, part_size_bytes=64 << 10, start=True)
+    averager = DecentralizedAverager(
+        [torch.full((size,), float(index))],
+        dht,
+        prefix="killed",
+        target_group_size=3,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        sender_timeout=2.0,
+        reducer_timeout=4.0,
+        part_size_bytes=64 << 10,
+        start=True,
+    )
     pipe.send("ready")
     pipe.recv()
     control = averager.step(wait=False, timeout=30)
@@ -198,7 +244,9 @@ def test_a_peer_killed_mid_round_does_not_stop_the_others():
     try:
         for index in range(3):
             parent, child = context.Pipe()
-            process = context.Process(target=_peer_process, args=(index, first.get_visible_maddrs(), child, size))
+            process = context.Process(
+                target=_peer_process, args=(index, first.get_visible_maddrs(), child, size)
+            )
             process.start()
             pipes.append(parent)
             processes.append(process)
@@ -273,8 +321,10 @@ def test_a_round_started_right_after_a_cancelled_one_waits_for_it_instead_of_fai
     """The training loop cancels a round and at once schedules the next: the new round must not
     find matchmaking still busy with the old one."""
     dhts = make_swarm(2)
-    a, b = (DecentralizedAverager([torch.full((8,), float(i))], dht, prefix="again", start=True, **FAST)
-            for i, dht in enumerate(dhts))
+    a, b = (
+        DecentralizedAverager([torch.full((8,), float(i))], dht, prefix="again", start=True, **FAST)
+        for i, dht in enumerate(dhts)
+    )
     try:
         for _ in range(5):
             a.step(wait=False, timeout=20).cancel()

@@ -25,14 +25,18 @@ def values(seed: int) -> list[torch.Tensor]:
 
 
 def step_all(averagers, weights=None, timeout=30):
-    controls = [a.step(wait=False, timeout=timeout, weight=None if weights is None else weights[i])
-                for i, a in enumerate(averagers)]
+    controls = [
+        a.step(wait=False, timeout=timeout, weight=None if weights is None else weights[i])
+        for i, a in enumerate(averagers)
+    ]
     return [control.result() for control in controls]
 
 
 def mean(tensor_sets, weights):
-    return [sum(w * ts[k].double() for ts, w in zip(tensor_sets, weights)) / sum(weights)
-            for k in range(len(tensor_sets[0]))]
+    return [
+        sum(w * ts[k].double() for ts, w in zip(tensor_sets, weights)) / sum(weights)
+        for k in range(len(tensor_sets[0]))
+    ]
 
 
 def distance(tensors, reference) -> float:
@@ -71,8 +75,10 @@ def test_robust_averager_bounds_huge_values_and_discards_a_wrong_reducer(swarm):
     local = [values(i) for i in range(4)]
     local[3] = [t * 1e30 for t in local[3]]
     originals = [[t.clone() for t in ts] for ts in local]
-    averagers = [DecentralizedAverager(ts, dht, prefix="robust", robust=RobustAggregation(), **FAST)
-                 for ts, dht in zip(local, swarm)]
+    averagers = [
+        DecentralizedAverager(ts, dht, prefix="robust", robust=RobustAggregation(), **FAST)
+        for ts, dht in zip(local, swarm)
+    ]
     try:
         step_all(averagers)
         honest = mean(originals[:3], [1] * 3)
@@ -121,8 +127,12 @@ def test_nan_gradients_and_parameters_through_the_optimizer_averagers(swarm):  #
     models = [torch.nn.Linear(8, 4) for _ in range(4)]
     with torch.no_grad():
         models[3].weight.fill_(float("nan"))
-    states = [TrainingStateAverager(dht=dht, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                                    prefix="state", **FAST) for m, dht in zip(models, swarm)]
+    states = [
+        TrainingStateAverager(
+            dht=dht, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), prefix="state", **FAST
+        )
+        for m, dht in zip(models, swarm)
+    ]
     try:
         for state in states:
             state.step(averaging_round=True, delay_averaging=True, averaging_opts=dict(timeout=30))
@@ -143,8 +153,11 @@ def test_a_newcomer_refuses_a_donors_nonfinite_state_and_loads_another(swarm):  
     try:
         poisoned.state_sharing_priority, good.state_sharing_priority = 2.0, 1.0  # the NaN one looks newest
         loaded = []  # donors declare themselves in the DHT shortly after starting
-        wait_until(lambda: loaded.append(newcomer.load_state_from_peers(timeout=10))
-                   or loaded[-1] is not None, timeout=30, message="a donor's state was loaded")
+        wait_until(
+            lambda: loaded.append(newcomer.load_state_from_peers(timeout=10)) or loaded[-1] is not None,
+            timeout=30,
+            message="a donor's state was loaded",
+        )
         _, tensors = loaded[-1]
         assert torch.equal(tensors[0], torch.ones(100)), "the good donor's state, not the newer NaN one"
     finally:

@@ -22,8 +22,10 @@ def value_of(rank: int) -> torch.Tensor:
 
 def swarm_of_averagers(n: int, prefix: str, **options):
     dhts = make_swarm(n)
-    averagers = [DecentralizedAverager([value_of(i)], dht, prefix=prefix, start=True, **SLOW, **options)
-                 for i, dht in enumerate(dhts)]
+    averagers = [
+        DecentralizedAverager([value_of(i)], dht, prefix=prefix, start=True, **SLOW, **options)
+        for i, dht in enumerate(dhts)
+    ]
     return dhts, averagers
 
 
@@ -39,10 +41,15 @@ def test_expected_group_assembles_once_everyone_joined():
     dhts, averagers = swarm_of_averagers(3, "expected")  # no target_group_size: expected_group_size decides
     try:
         started = time.monotonic()
-        first = [a.step(gather=i, wait=False, timeout=25, expected_group_size=3) for i, a in enumerate(averagers[:2])]
+        first = [
+            a.step(gather=i, wait=False, timeout=25, expected_group_size=3)
+            for i, a in enumerate(averagers[:2])
+        ]
         for control in first:  # the first two look for a group (and must not form one of two) ...
             wait_until_started(control)
-        last = averagers[2].step(gather=2, wait=False, timeout=25, expected_group_size=3)  # ... until the third
+        last = averagers[2].step(
+            gather=2, wait=False, timeout=25, expected_group_size=3
+        )  # ... until the third
         results = [control.result() for control in first + [last]]
         assert time.monotonic() - started < 15, "the group must not wait out min_matchmaking_time (30 s)"
         for averager, result in zip(averagers, results):
@@ -64,9 +71,16 @@ def test_weight_for_group_sets_the_weights_from_the_gathered_metadata():
     dhts, averagers = swarm_of_averagers(3, "weights", target_group_size=3)
     calls = []
     try:
-        controls = [a.step(gather=i, weight=2.0, wait=False, timeout=25,
-                           weight_for_group=functools.partial(weight_by_group, i, calls))
-                    for i, a in enumerate(averagers)]
+        controls = [
+            a.step(
+                gather=i,
+                weight=2.0,
+                wait=False,
+                timeout=25,
+                weight_for_group=functools.partial(weight_by_group, i, calls),
+            )
+            for i, a in enumerate(averagers)
+        ]
         for control in controls:
             control.result()
         assert calls == [[0, 1, 2]] * 3, "each peer's callback sees what every member gathered"
@@ -84,19 +98,29 @@ def raise_value_error(gathered, weight):
     raise ValueError("no weight for this group")
 
 
-@pytest.mark.parametrize("callback, error", [
-    (lambda gathered, weight: -1.0, "weight_for_group returned -1.0; a weight must be finite and >= 0"),
-    (lambda gathered, weight: math.nan, "weight_for_group returned nan; a weight must be finite and >= 0"),
-    (raise_value_error, "weight_for_group raised ValueError..no weight for this group"),  # not retried
-])
+@pytest.mark.parametrize(
+    "callback, error",
+    [
+        (lambda gathered, weight: -1.0, "weight_for_group returned -1.0; a weight must be finite and >= 0"),
+        (
+            lambda gathered, weight: math.nan,
+            "weight_for_group returned nan; a weight must be finite and >= 0",
+        ),
+        (raise_value_error, "weight_for_group raised ValueError..no weight for this group"),  # not retried
+    ],
+)
 def test_bad_weight_from_the_callback_fails_that_step_at_once(callback, error):
     """A weight the callback makes up that no average can use fails that peer's step at once with
     an error naming the callback (no retry: it is the caller's bug), and the rest of the group is
     not left hanging."""
-    dhts, averagers = swarm_of_averagers(3, "bad", target_group_size=3, sender_timeout=1.0, reducer_timeout=2.0)
+    dhts, averagers = swarm_of_averagers(
+        3, "bad", target_group_size=3, sender_timeout=1.0, reducer_timeout=2.0
+    )
     try:
-        controls = [a.step(wait=False, timeout=25, weight_for_group=callback if i == 0 else None)
-                    for i, a in enumerate(averagers)]
+        controls = [
+            a.step(wait=False, timeout=25, weight_for_group=callback if i == 0 else None)
+            for i, a in enumerate(averagers)
+        ]
         with pytest.raises(AveragingError, match=error):
             controls[0].result(timeout=20)
         for control in controls[1:]:  # they exclude peer 0 after reducer_timeout; its span keeps local values

@@ -23,8 +23,11 @@ PART_SIZE_BYTES = 16 << 10  # small parts: every span is cut into many, so round
 def tensors_of(seed: int) -> list[torch.Tensor]:
     """A float32 vector long enough for many parts, a float64 matrix, and a float32 scalar tensor."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(50_000, generator=generator), torch.randn(7, 13, generator=generator, dtype=torch.float64),
-            torch.randn((), generator=generator) * 1000]
+    return [
+        torch.randn(50_000, generator=generator),
+        torch.randn(7, 13, generator=generator, dtype=torch.float64),
+        torch.randn((), generator=generator) * 1000,
+    ]
 
 
 # --- the worker process ---------------------------------------------------------------------------
@@ -43,14 +46,23 @@ def _worker(connection) -> None:
         while (job := connection.recv()) is not None:
             try:
                 if job["mode"] == "client" and client_dht is None:
-                    client_dht = DHT(initial_peers=initial_peers or dht.get_visible_maddrs(), start=True,
-                                     client_mode=True)
+                    client_dht = DHT(
+                        initial_peers=initial_peers or dht.get_visible_maddrs(), start=True, client_mode=True
+                    )
                 averager = DecentralizedAverager(
-                    tensors_of(job["seed"]), client_dht if job["mode"] == "client" else dht, prefix=job["prefix"],
-                    target_group_size=job["group_size"], min_group_size=job["group_size"],
-                    min_matchmaking_time=2.0, request_timeout=1.0, part_size_bytes=PART_SIZE_BYTES,
-                    bandwidth=job["bandwidth"], auxiliary=job["mode"] == "aux", allow_state_sharing=False,
-                    start=True)
+                    tensors_of(job["seed"]),
+                    client_dht if job["mode"] == "client" else dht,
+                    prefix=job["prefix"],
+                    target_group_size=job["group_size"],
+                    min_group_size=job["group_size"],
+                    min_matchmaking_time=2.0,
+                    request_timeout=1.0,
+                    part_size_bytes=PART_SIZE_BYTES,
+                    bandwidth=job["bandwidth"],
+                    auxiliary=job["mode"] == "aux",
+                    allow_state_sharing=False,
+                    start=True,
+                )
                 try:
                     started = time.perf_counter()
                     weight = 0.0 if job["mode"] == "aux" else job["weight"]
@@ -58,9 +70,15 @@ def _worker(connection) -> None:
                     elapsed = time.perf_counter() - started
                     with averager.get_tensors() as tensors:
                         averaged = [tensor.clone() for tensor in tensors]
-                    connection.send(dict(peer_id=averager.peer_id.to_bytes(), mode=averager.mode.name, seconds=elapsed,
-                                         tensors=averaged,
-                                         gathered={peer.to_bytes(): data for peer, data in gathered.items()}))
+                    connection.send(
+                        dict(
+                            peer_id=averager.peer_id.to_bytes(),
+                            mode=averager.mode.name,
+                            seconds=elapsed,
+                            tensors=averaged,
+                            gathered={peer.to_bytes(): data for peer, data in gathered.items()},
+                        )
+                    )
                 finally:
                     averager.shutdown()
             except Exception as error:  # report it to the test, keep serving
@@ -157,17 +175,23 @@ def check_round(jobs: dict[int, dict], reports: dict[int, dict]) -> None:
     contributors = {i: j for i, j in jobs.items() if j["mode"] != "aux" and j["weight"] > 0}
     total = sum(j["weight"] for j in contributors.values())
     sources = {i: tensors_of(j["seed"]) for i, j in jobs.items()}
-    expected = [sum(j["weight"] * sources[i][k].double() for i, j in contributors.items()) / total
-                for k in range(len(next(iter(sources.values()))))]
-    magnitude = [sum(j["weight"] * sources[i][k].double().abs() for i, j in contributors.items()) / total
-                 for k in range(len(expected))]
+    expected = [
+        sum(j["weight"] * sources[i][k].double() for i, j in contributors.items()) / total
+        for k in range(len(next(iter(sources.values()))))
+    ]
+    magnitude = [
+        sum(j["weight"] * sources[i][k].double().abs() for i, j in contributors.items()) / total
+        for k in range(len(expected))
+    ]
     members = {report["peer_id"] for report in reports.values()}
     assert len(members) == len(jobs)
     receivers = []
     for index, report in reports.items():
         assert report["mode"] == {"node": "NODE", "client": "CLIENT", "aux": "AUX"}[jobs[index]["mode"]]
         assert set(report["gathered"]) == members, "every member gets every member's gather"
-        assert sorted(g["seed"] for g in report["gathered"].values()) == sorted(j["seed"] for j in jobs.values())
+        assert sorted(g["seed"] for g in report["gathered"].values()) == sorted(
+            j["seed"] for j in jobs.values()
+        )
         if jobs[index]["mode"] == "aux":
             for tensor, source in zip(report["tensors"], sources[index]):
                 assert torch.equal(tensor, source), "an auxiliary peer's tensors are left alone"
@@ -180,7 +204,8 @@ def check_round(jobs: dict[int, dict], reports: dict[int, dict]) -> None:
             error = (tensor.double() - target).abs()
             bound = relative * scale + 1e-30
             assert bool((error <= bound).all()), (
-                f"worker {index}: max error {float((error / bound).max()):.2f}x the bound {relative} * |x|")
+                f"worker {index}: max error {float((error / bound).max()):.2f}x the bound {relative} * |x|"
+            )
     for report in receivers[1:]:  # uncompressed answers are shared: every receiver ends bit-identical
         for tensor, first in zip(report["tensors"], receivers[0]["tensors"]):
             assert torch.equal(tensor, first)
@@ -206,8 +231,12 @@ def test_zero_weight_peer_receives_the_mean_of_the_others(pool):
 def test_client_and_auxiliary_peers_among_nodes(pool):
     """Worker 3 averages through a client-mode DHT (no listening address): it only sends and
     receives; worker 2 is auxiliary: it reduces a span for the others and keeps its own tensors."""
-    jobs = {0: job(seed=5, weight=1.0), 1: job(seed=6, weight=3.0), 2: job(seed=7, mode="aux"),
-            3: job(seed=8, weight=2.0, mode="client")}
+    jobs = {
+        0: job(seed=5, weight=1.0),
+        1: job(seed=6, weight=3.0),
+        2: job(seed=7, mode="aux"),
+        3: job(seed=8, weight=2.0, mode="client"),
+    }
     check_round(jobs, pool.run_round(jobs))
 
 

@@ -65,8 +65,10 @@ def test_one_far_member_moves_the_result_by_at_most_its_share_of_the_radius(atta
     shift = float(torch.linalg.vector_norm(result.center.double() - honest_mean))
     assert shift <= result.radius / 3 * 1.01  # one of four equal weights: tau / the others' weight
     assert torch.isfinite(result.center).all()
-    assert residual(values.double(), torch.ones(4, dtype=torch.float64), result.center.double(),
-                    result.radius) <= 4 * 1e-6 * result.radius * 10
+    assert (
+        residual(values.double(), torch.ones(4, dtype=torch.float64), result.center.double(), result.radius)
+        <= 4 * 1e-6 * result.radius * 10
+    )
 
 
 def test_the_result_is_a_fixed_point_and_the_radius_is_the_rule():

@@ -9,7 +9,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def plexus(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "plexus.cli.main", *args], capture_output=True, text=True, timeout=50)
+    return subprocess.run(
+        [sys.executable, "-m", "plexus.cli.main", *args], capture_output=True, text=True, timeout=50
+    )
 
 
 def test_help_lists_the_commands():
@@ -32,4 +34,8 @@ def test_bad_arguments_get_a_clear_error():
 def test_demo_help_describes_the_albert_swarm():
     result = plexus("demo", "--help")
     assert result.returncode == 0
-    assert "--steps" in result.stdout and "client-mode trainer" in result.stdout and "--ping-only" in result.stdout
+    assert (
+        "--steps" in result.stdout
+        and "client-mode trainer" in result.stdout
+        and "--ping-only" in result.stdout
+    )

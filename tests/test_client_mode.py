@@ -25,8 +25,14 @@ def test_a_peer_without_listener_uses_the_dht_and_averages_as_a_sender(how):
     if how == "client_mode=True":
         client = DHT(initial_peers=first.get_visible_maddrs(), start=True, client_mode=True)
     else:  # AutoNAT would say "public" on 127.0.0.1, so the verdict is forced
-        client = DHT(initial_peers=first.get_visible_maddrs(), start=True, client_mode=None,
-                     force_reachability="private", use_auto_relay=True, relays=[])
+        client = DHT(
+            initial_peers=first.get_visible_maddrs(),
+            start=True,
+            client_mode=None,
+            force_reachability="private",
+            use_auto_relay=True,
+            relays=[],
+        )
     averagers = []
     try:
         assert client.client_mode and client.nat_mode == "client", (client.client_mode, client.nat_mode)
@@ -45,10 +51,16 @@ def test_a_peer_without_listener_uses_the_dht_and_averages_as_a_sender(how):
 
         # Averaging: the client sends its tensors and receives the average; it reduces no part itself.
         values = {first: 0.0, second: 4.0, client: 8.0}
-        averagers = [DecentralizedAverager([torch.full((5000,), value)], dht, prefix="client", target_group_size=3,
-                                           start=True, **FAST) for dht, value in values.items()]
+        averagers = [
+            DecentralizedAverager(
+                [torch.full((5000,), value)], dht, prefix="client", target_group_size=3, start=True, **FAST
+            )
+            for dht, value in values.items()
+        ]
         assert averagers[-1].client_mode and averagers[-1].bandwidth == 0.0
-        controls = [averager.step(wait=False, gather=str(averager.dht.peer_id), timeout=30) for averager in averagers]
+        controls = [
+            averager.step(wait=False, gather=str(averager.dht.peer_id), timeout=30) for averager in averagers
+        ]
         groups = [control.result() for control in controls]
         for averager, group in zip(averagers, groups):
             assert sorted(group.values()) == sorted(str(dht.peer_id) for dht in values), group

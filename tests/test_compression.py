@@ -71,7 +71,9 @@ def test_none_roundtrip_is_exact(dtype, shape):
     x = sample(dtype, shape)
     y = roundtrip(x)
     assert y.dtype == dtype and y.shape == x.shape
-    assert torch.equal(x.view(-1).view(torch.uint8) if x.numel() else x, y.view(-1).view(torch.uint8) if y.numel() else y)
+    assert torch.equal(
+        x.view(-1).view(torch.uint8) if x.numel() else x, y.view(-1).view(torch.uint8) if y.numel() else y
+    )
 
 
 def test_none_keeps_nan_and_inf_bits():
@@ -146,7 +148,9 @@ def test_blockwise_codebooks(codebook, bound):
 
 
 def test_scaled_float16_handles_any_scale_per_row():
-    rows = torch.stack([sample(torch.float32, (1000,), seed=1) * 1e-6, sample(torch.float32, (1000,), seed=2) * 1e6 + 3e6])
+    rows = torch.stack(
+        [sample(torch.float32, (1000,), seed=1) * 1e-6, sample(torch.float32, (1000,), seed=2) * 1e6 + 3e6]
+    )
     y = roundtrip(rows, CompressionType.MEANSTD_16BIT)
     for row, back in zip(rows, y):
         assert rel_error(row - row.mean(), back - row.mean()) < 1e-3
@@ -190,7 +194,10 @@ def test_compression_ratio_estimates():
     assert Uniform8BitQuantization().estimate_compression_ratio(info32) == 0.25
     assert Quantile8BitQuantization().estimate_compression_ratio(info32) == 0.25
     assert BlockwiseQuantization().estimate_compression_ratio(info32) == (8 + 32 / 4096) / 32
-    assert Uniform8BitQuantization().estimate_compression_ratio(CompressionInfo.from_tensor(torch.arange(3))) == 1.0
+    assert (
+        Uniform8BitQuantization().estimate_compression_ratio(CompressionInfo.from_tensor(torch.arange(3)))
+        == 1.0
+    )
     # the estimate matches the real size of a large tensor to within the fixed overhead
     x = sample(torch.float32, (1 << 20,))
     for compression in LOSSY:
@@ -242,10 +249,14 @@ def test_float16_saturates_finite_overflow():
 
 
 def test_size_adaptive_chooses_by_numel():
-    method = SizeAdaptiveCompression(threshold=1000, less=Float16Compression(), greater_equal=Uniform8BitQuantization())
+    method = SizeAdaptiveCompression(
+        threshold=1000, less=Float16Compression(), greater_equal=Uniform8BitQuantization()
+    )
     small, large = torch.randn(999), torch.randn(10, 100)
     assert method.compress(small, CompressionInfo.from_tensor(small)).compression == CompressionType.FLOAT16
-    assert method.compress(large, CompressionInfo.from_tensor(large)).compression == CompressionType.UNIFORM_8BIT
+    assert (
+        method.compress(large, CompressionInfo.from_tensor(large)).compression == CompressionType.UNIFORM_8BIT
+    )
     assert method.estimate_compression_ratio(CompressionInfo.from_tensor(large)) == 0.25
     serialized = method.compress(large, CompressionInfo.from_tensor(large))
     assert method.extract(serialized).shape == large.shape
@@ -273,7 +284,10 @@ def test_per_tensor_by_index_and_by_key():
     by_key = PerTensorCompression({"weight": BlockwiseQuantization(), "bias": NoCompression()})
     x = torch.randn(50)
     assert by_index.compress(x, CompressionInfo.from_tensor(x, key=1)).compression == CompressionType.FLOAT16
-    assert by_key.compress(x, CompressionInfo.from_tensor(x, key="weight")).compression == CompressionType.BLOCKWISE_8BIT
+    assert (
+        by_key.compress(x, CompressionInfo.from_tensor(x, key="weight")).compression
+        == CompressionType.BLOCKWISE_8BIT
+    )
     with pytest.raises(KeyError, match="no method for tensor key 'gamma'"):
         by_key.compress(x, CompressionInfo.from_tensor(x, key="gamma"))
 
@@ -281,8 +295,15 @@ def test_per_tensor_by_index_and_by_key():
 def test_compression_info():
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     info = CompressionInfo.from_tensor(x, key="w", role=TensorRole.PARAMETER)
-    assert info.descriptor.size == (3, 4) and info.descriptor.dtype == torch.float64 and info.descriptor.requires_grad
-    assert info.descriptor.numel() == 12 and CompressionInfo.from_tensor(torch.tensor(1.0)).descriptor.numel() == 1
+    assert (
+        info.descriptor.size == (3, 4)
+        and info.descriptor.dtype == torch.float64
+        and info.descriptor.requires_grad
+    )
+    assert (
+        info.descriptor.numel() == 12
+        and CompressionInfo.from_tensor(torch.tensor(1.0)).descriptor.numel() == 1
+    )
     part = info.get_part(2, 100)
     assert (part.key, part.role, part.part_index, part.part_size) == ("w", TensorRole.PARAMETER, 2, 100)
 
@@ -375,7 +396,14 @@ def test_inconsistent_messages_rejected(fields, reason):
 
 
 def test_not_msgpack_or_wrong_shape_rejected():
-    for data in (b"", b"\xc1", b"\x93\x01\x02\x03", msgpack.packb({"buffer": b""}), msgpack.packb([1] * 6), b"\x96" + b"\xc0" * 6):
+    for data in (
+        b"",
+        b"\xc1",
+        b"\x93\x01\x02\x03",
+        msgpack.packb({"buffer": b""}),
+        msgpack.packb([1] * 6),
+        b"\x96" + b"\xc0" * 6,
+    ):
         with pytest.raises(CompressionError):
             SerializedTensor.from_bytes(data)
 
@@ -387,8 +415,12 @@ def test_bool_bytes_must_be_zero_or_one():
 
 
 VALID_MESSAGES = [
-    serialize_torch_tensor(sample(torch.float32, (300,)), compression).to_bytes() for compression in CompressionType
-] + [serialize_torch_tensor(sample(torch.bool, (9,))).to_bytes(), serialize_torch_tensor(torch.tensor(1.5).bfloat16()).to_bytes()]
+    serialize_torch_tensor(sample(torch.float32, (300,)), compression).to_bytes()
+    for compression in CompressionType
+] + [
+    serialize_torch_tensor(sample(torch.bool, (9,))).to_bytes(),
+    serialize_torch_tensor(torch.tensor(1.5).bfloat16()).to_bytes(),
+]
 
 
 def decode_or_compression_error(data):
@@ -417,7 +449,10 @@ def test_fuzz_garbage_bytes(data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(VALID_MESSAGES), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=8))
+@given(
+    st.sampled_from(VALID_MESSAGES),
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), max_size=8),
+)
 def test_fuzz_mutated_valid_messages(data, flips):
     mutated = bytearray(data)
     for position, value in flips:

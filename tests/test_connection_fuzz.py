@@ -102,7 +102,10 @@ def test_garbage_instead_of_noise_transport_frames(payloads):
 
 frames = st.builds(
     lambda kind, flags, stream_id, length, body: encode_header(kind, flags, stream_id, length) + body,
-    st.integers(0, 5), st.integers(0, 15), st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+    st.integers(0, 5),
+    st.integers(0, 15),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**32 - 1),
     st.binary(max_size=64),
 )
 

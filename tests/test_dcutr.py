@@ -24,7 +24,11 @@ def test_exchange_on_virtual_time():
     assert responder.receive(connect, now=10.05) is None
     (answer,) = responder.data_to_send()
     dial_b = initiator.receive(answer, now=10.2)  # rtt 0.2 s: B dials at 10.3
-    assert dial_b.when == pytest.approx(10.3) and dial_b.addrs == (ADDR_A,) and initiator.rtt == pytest.approx(0.2)
+    assert (
+        dial_b.when == pytest.approx(10.3)
+        and dial_b.addrs == (ADDR_A,)
+        and initiator.rtt == pytest.approx(0.2)
+    )
     (sync,) = initiator.data_to_send()
     assert responder.receive(sync, now=10.3) == core.DialAt(10.3, (ADDR_B,))  # A dials on SYNC
     # Two retries are allowed, then the initiator gives up.
@@ -58,8 +62,10 @@ def test_relayed_connection_is_upgraded_to_a_direct_one():
         relay, a, b = hosts
         service = RelayService(relay).start()
         punchers = [HolePuncher(host).start() for host in (a, b)]
-        clients = [RelayClient(host, on_inbound_circuit=puncher.on_inbound_circuit).start()
-                   for host, puncher in zip((a, b), punchers)]
+        clients = [
+            RelayClient(host, on_inbound_circuit=puncher.on_inbound_circuit).start()
+            for host, puncher in zip((a, b), punchers)
+        ]
         try:
             await clients[1].reserve(relay.get_visible_maddrs()[0])
             circuit = relay.get_visible_maddrs()[0].encapsulate(f"/p2p-circuit/p2p/{b.peer_id}")
@@ -92,11 +98,15 @@ def test_failed_exchange_leaves_the_relayed_connection_working():
         a, b = [await Host(host_maddrs=()).start() for _ in range(2)]  # nobody to dial directly
         service = RelayService(relay).start()
         punchers = [HolePuncher(host, dial_timeout=0.5).start() for host in (a, b)]
-        clients = [RelayClient(host, on_inbound_circuit=puncher.on_inbound_circuit).start()
-                   for host, puncher in zip((a, b), punchers)]
+        clients = [
+            RelayClient(host, on_inbound_circuit=puncher.on_inbound_circuit).start()
+            for host, puncher in zip((a, b), punchers)
+        ]
         try:
             await clients[1].reserve(relay.get_visible_maddrs()[0])
-            await a.connect(relay.get_visible_maddrs()[0].encapsulate(f"/p2p-circuit/p2p/{b.peer_id}"), timeout=10)
+            await a.connect(
+                relay.get_visible_maddrs()[0].encapsulate(f"/p2p-circuit/p2p/{b.peer_id}"), timeout=10
+            )
             outcome = await punchers[1].wait_outcome(a.peer_id, timeout=20)
             assert outcome is not None and outcome.startswith("failed"), outcome
             assert b.get_connection(a.peer_id).relayed

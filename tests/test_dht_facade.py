@@ -19,7 +19,9 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 @pytest.fixture
 def swarm():
     first = DHT(start=True, host_maddrs=LOCAL)
-    peers = [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(11)]
+    peers = [first] + [
+        DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(11)
+    ]
     yield peers
     for peer in peers:
         peer.shutdown()
@@ -79,9 +81,15 @@ def test_bootstrap_failure_names_every_address():
 def test_a_peer_that_offers_only_chachapoly_joins_and_bad_cipher_names_fail_at_once():
     with pytest.raises(ValueError, match="noise_ciphers must name"):
         DHT(host_maddrs=LOCAL, noise_ciphers=("AES128",))
-    with DHT(start=True, host_maddrs=LOCAL) as first, \
-            DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL,
-                noise_ciphers=("ChaChaPoly",)) as second:
+    with (
+        DHT(start=True, host_maddrs=LOCAL) as first,
+        DHT(
+            initial_peers=first.get_visible_maddrs(),
+            start=True,
+            host_maddrs=LOCAL,
+            noise_ciphers=("ChaChaPoly",),
+        ) as second,
+    ):
         assert second.store("key", "value", get_dht_time() + 30)
         assert first.get("key", latest=True).value == "value"
         connection = first.host._connections[second.peer_id][0]
@@ -96,9 +104,20 @@ def test_identity_path_keeps_the_peer_id(tmp_path):
 
 
 def test_plexus_dht_command_prints_initial_peers_and_stops_on_sigterm():
-    process = subprocess.Popen([sys.executable, "-m", "plexus.cli.main", "dht", "--host_maddrs",
-                                "/ip4/127.0.0.1/tcp/0", "--refresh_period", "0.2"],
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "plexus.cli.main",
+            "dht",
+            "--host_maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--refresh_period",
+            "0.2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stderr.readline()
         assert "To connect other peers to this one, use --initial_peers /ip4/127.0.0.1/tcp/" in line

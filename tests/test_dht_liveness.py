@@ -40,8 +40,13 @@ def test_sweeps_start_at_most_once_per_interval_sooner_after_a_quiet_entry_faile
     assert checker.sweep_after_failure(sent_at=112.5, now=113.0, quiet_entry=True) is None
     assert checker.sweep_after_failure(sent_at=141.0, now=142.0) == 141.0
     assert LivenessChecker(LivenessOptions(sweep_interval=None)).sweep_after_failure(1.0, 2.0) is None
-    for bad in (dict(stale_after=0), dict(sweep_interval=-1), dict(checks_per_second=0), dict(check_burst=0),
-                dict(sweep_concurrency=0)):
+    for bad in (
+        dict(stale_after=0),
+        dict(sweep_interval=-1),
+        dict(checks_per_second=0),
+        dict(check_burst=0),
+        dict(sweep_concurrency=0),
+    ):
         with pytest.raises(ValueError):
             LivenessOptions(**bad)
 
@@ -62,8 +67,10 @@ async def wait_for(predicate, timeout: float) -> bool:
 async def star(network, count: int, **options) -> list[DHTNode]:
     """A hub and `count` nodes that joined through it: they are all in the hub's table."""
     hub = await DHTNode.create(rpc=network.create_transport(), **options)
-    others = [await DHTNode.create(rpc=network.create_transport(), initial_peers=[hub.peer_id], **options)
-              for _ in range(count)]
+    others = [
+        await DHTNode.create(rpc=network.create_transport(), initial_peers=[hub.peer_id], **options)
+        for _ in range(count)
+    ]
     return [hub, *others]
 
 
@@ -81,8 +88,9 @@ def test_a_silent_entry_named_in_an_answer_is_checked_and_evicted(checks):
         request = FindRequest(None, (frozen.node_id,)).encode()
         response = FindResponse.decode(await asker.call(hub.peer_id, request, 1))
         assert frozen.node_id in [node_id for node_id, _ in response.results[0].nearest]  # named anyway
-        evicted = await wait_for(lambda: frozen.peer_id not in hub.routing_table,
-                                 timeout=3 if checks else 1.5)
+        evicted = await wait_for(
+            lambda: frozen.peer_id not in hub.routing_table, timeout=3 if checks else 1.5
+        )
         assert evicted == checks
         assert all(node.peer_id in hub.routing_table for node in others[1:])
         await asyncio.gather(*(node.shutdown() for node in [hub, *others]))
@@ -103,8 +111,10 @@ def test_a_failed_request_sweeps_the_entries_silent_since(sweeps):
             network.make_unresponsive(node.peer_id)
         # one request that fails is the evidence; nothing asks the other frozen peers
         assert await hub._call(frozen[0].peer_id, FindRequest(hub.node_id, (DHTID(1),)), FindResponse) is None
-        gone = await wait_for(lambda: all(node.peer_id not in hub.routing_table for node in frozen),
-                              timeout=5 if sweeps else 1.5)
+        gone = await wait_for(
+            lambda: all(node.peer_id not in hub.routing_table for node in frozen),
+            timeout=5 if sweeps else 1.5,
+        )
         assert gone == sweeps
         assert all(node.peer_id in hub.routing_table for node in others[8:])  # the live ones answered
         assert hub.routing_table.last_seen(others[8].node_id) <= get_dht_time()

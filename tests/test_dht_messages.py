@@ -137,7 +137,9 @@ def test_mutated_messages_parse_or_raise_protocol_error(message, position, byte)
 def test_known_peers_take_a_fast_path_that_still_checks_every_field():
     """Find responses name the same peers again and again, so decoding skips re-parsing a peer seen
     before; malformed entries about such a peer must still be refused."""
-    known = FindResponse(B, (FindResult(None, None, float("-inf"), ((A, PEER),)),), ((PEER, (b"\x04\x7f\x00\x00\x01",)),))
+    known = FindResponse(
+        B, (FindResult(None, None, float("-inf"), ((A, PEER),)),), ((PEER, (b"\x04\x7f\x00\x00\x01",)),)
+    )
     assert Message.decode(known.encode()) == known  # now A and PEER are cached
     peer, addr = PEER.to_bytes(), b"\x04\x7f\x00\x00\x01"
     bad = {

@@ -123,8 +123,13 @@ def test_signed_records_cannot_be_overwritten_by_others():
         validators = [Ed25519SignatureValidator() for _ in range(20)]
         nodes = [await DHTNode.create(rpc=network.create_transport(), record_validator=validators[0])]
         for i in range(1, 20):
-            nodes.append(await DHTNode.create(
-                rpc=network.create_transport(), initial_peers=[nodes[0].peer_id], record_validator=validators[i]))
+            nodes.append(
+                await DHTNode.create(
+                    rpc=network.create_transport(),
+                    initial_peers=[nodes[0].peer_id],
+                    record_validator=validators[i],
+                )
+            )
         alice, mallory = validators[1], validators[2]
         now = get_dht_time()
         assert await nodes[1].store("progress", {"step": 1}, now + 30, subkey=alice.local_public_key)
@@ -137,11 +142,15 @@ def test_signed_records_cannot_be_overwritten_by_others():
         # even a hand-crafted request that skips her validator is refused by every peer
         key_id, subkey = DHTID.generate("progress"), MSGPackSerializer.dumps(alice.local_public_key)
         value = MSGPackSerializer.dumps({"step": 999})
-        value += mallory.sign_value(make_record(key_id, mallory.local_public_key, value, now + 40))[len(value):]
+        value += mallory.sign_value(make_record(key_id, mallory.local_public_key, value, now + 40))[
+            len(value) :
+        ]
         item = StoreItem(key_id, subkey, value, now + 40)
         for node in nodes[3:]:
             assert await nodes[2]._send_items(node.peer_id, [item]) == [False]
-        assert (await nodes[6].get("progress", latest=True)).value[alice.local_public_key].value == {"step": 1}
+        assert (await nodes[6].get("progress", latest=True)).value[alice.local_public_key].value == {
+            "step": 1
+        }
         await shutdown(nodes)
 
     run(main())
@@ -152,7 +161,13 @@ def test_malformed_requests_get_an_error_and_the_node_keeps_serving():
         network = MemoryNetwork()
         nodes = await make_swarm(network, 3)
         attacker = network.create_transport()
-        for garbage in (b"", b"\xc1", b"\x93\x05\xc0\x90" + b"\x00", PingResponse(None, 1.0).encode(), b"\x92\x03" * 100):
+        for garbage in (
+            b"",
+            b"\xc1",
+            b"\x93\x05\xc0\x90" + b"\x00",
+            PingResponse(None, 1.0).encode(),
+            b"\x92\x03" * 100,
+        ):
             answer = Message.decode(await attacker.call(nodes[0].peer_id, garbage, timeout=1))
             assert isinstance(answer, ErrorResponse) and "DHT" in answer.message
         answer = Message.decode(await attacker.call(nodes[0].peer_id, PingRequest(None).encode(), timeout=1))
@@ -199,9 +214,14 @@ def test_silent_peers_time_out_and_are_skipped():
         assert (await nodes[1].get("k", latest=True)).value == "v"
         # their requests time out in the background (the lookup stopped waiting for them): each is
         # then banned and out of the table, not asked again for a while
-        assert await wait_until(lambda: all(
-            nodes[1].blacklist.is_banned(node.peer_id, get_dht_time()) or node.peer_id not in nodes[1].routing_table
-            for node in silent), timeout=5)
+        assert await wait_until(
+            lambda: all(
+                nodes[1].blacklist.is_banned(node.peer_id, get_dht_time())
+                or node.peer_id not in nodes[1].routing_table
+                for node in silent
+            ),
+            timeout=5,
+        )
         await shutdown(nodes)
 
     run(main())
@@ -248,8 +268,9 @@ def test_client_mode_nodes_never_enter_routing_tables():
     async def main():
         network = MemoryNetwork()
         nodes = await make_swarm(network, 10)
-        client = await DHTNode.create(rpc=network.create_transport(), initial_peers=[nodes[0].peer_id],
-                                      client_mode=True)
+        client = await DHTNode.create(
+            rpc=network.create_transport(), initial_peers=[nodes[0].peer_id], client_mode=True
+        )
         now = get_dht_time()
         assert await client.store("from-client", 42, now + 30)
         assert (await nodes[5].get("from-client")).value == 42
@@ -295,13 +316,17 @@ def test_bootstrap_failure_names_each_peer_and_why():
         silent.serve(lambda sender, data: asyncio.sleep(10))  # never answers in time
         network.kill(dead.local_peer_id)
         with pytest.raises(DHTBootstrapError) as error:
-            await DHTNode.create(rpc=network.create_transport(), initial_peers=[dead.local_peer_id, silent.local_peer_id],
-                                 wait_timeout=0.2)
+            await DHTNode.create(
+                rpc=network.create_transport(),
+                initial_peers=[dead.local_peer_id, silent.local_peer_id],
+                wait_timeout=0.2,
+            )
         message = str(error.value)
         assert str(dead.local_peer_id) in message and "killed" in message
         assert str(silent.local_peer_id) in message and "TimeoutError" in message
-        node = await DHTNode.create(rpc=network.create_transport(), initial_peers=[dead.local_peer_id],
-                                    ensure_bootstrap_success=False)
+        node = await DHTNode.create(
+            rpc=network.create_transport(), initial_peers=[dead.local_peer_id], ensure_bootstrap_success=False
+        )
         await node.shutdown()
 
     run(main())
@@ -347,8 +372,12 @@ def test_keys_are_handed_over_to_new_nearer_peers():
         assert await nodes[0].store("handover", "v", get_dht_time() + 60)
         key_id = DHTID.generate("handover")
         # a newcomer whose id is nearly the key itself must end up holding it
-        newcomer = await DHTNode.create(rpc=network.create_transport(), node_id=DHTID(key_id ^ 1),
-                                        initial_peers=[nodes[3].peer_id], num_replicas=2)
+        newcomer = await DHTNode.create(
+            rpc=network.create_transport(),
+            node_id=DHTID(key_id ^ 1),
+            initial_peers=[nodes[3].peer_id],
+            num_replicas=2,
+        )
         for _ in range(100):
             if newcomer.storage.get(key_id, get_dht_time()) is not None:
                 break
@@ -363,7 +392,11 @@ def test_clock_skew_is_warned_about(caplog):
     async def main():
         network = MemoryNetwork()
         skewed = network.create_transport()
-        skewed.serve(lambda sender, data: asyncio.sleep(0, PingResponse(DHTID.generate(), get_dht_time() + 60).encode()))
+        skewed.serve(
+            lambda sender, data: asyncio.sleep(
+                0, PingResponse(DHTID.generate(), get_dht_time() + 60).encode()
+            )
+        )
         with caplog.at_level(logging.WARNING, logger="plexus.dht.node"):
             node = await DHTNode.create(rpc=network.create_transport(), initial_peers=[skewed.local_peer_id])
         assert "Clock of" in caplog.text and "NTP" in caplog.text
@@ -405,17 +438,25 @@ def test_hostile_storer_is_bounded_and_cannot_hide_honest_entries():
         network = MemoryNetwork()
         limits = StorageLimits(max_records_per_sender=300, max_entries_per_key=50, max_subkeys_per_sender=20)
         victim = await DHTNode.create(rpc=network.create_transport(), storage_limits=limits)
-        honest, hostile = [await DHTNode.create(rpc=network.create_transport(), client_mode=True,
-                                                initial_peers=[victim.peer_id]) for _ in range(2)]
+        honest, hostile = [
+            await DHTNode.create(
+                rpc=network.create_transport(), client_mode=True, initial_peers=[victim.peer_id]
+            )
+            for _ in range(2)
+        ]
         now = get_dht_time()
         key = DHTID.generate("stuffed")
         entry, value = MSGPackSerializer.dumps(b"honest-entry"), MSGPackSerializer.dumps("honest")
         honest_item = StoreItem(key, entry, value, now + 60)
         assert await honest._send_items(victim.peer_id, [honest_item]) == [True]
-        items = [StoreItem(DHTID.generate(f"flood{i}"), None, MSGPackSerializer.dumps(i), now + 60)
-                 for i in range(1000)]
-        items += [StoreItem(key, MSGPackSerializer.dumps(f"junk{i}"), MSGPackSerializer.dumps(i), now + 60)
-                  for i in range(1000)]
+        items = [
+            StoreItem(DHTID.generate(f"flood{i}"), None, MSGPackSerializer.dumps(i), now + 60)
+            for i in range(1000)
+        ]
+        items += [
+            StoreItem(key, MSGPackSerializer.dumps(f"junk{i}"), MSGPackSerializer.dumps(i), now + 60)
+            for i in range(1000)
+        ]
         await hostile._send_items(victim.peer_id, items)  # what a hostile client can send by hand
         assert victim.storage.bytes_of(hostile.peer_id.to_bytes()) > 0
         assert len(victim.storage.get(key, get_dht_time()).value) <= limits.max_entries_per_key

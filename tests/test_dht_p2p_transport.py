@@ -47,8 +47,10 @@ def test_shared_and_learnt_addresses_follow_the_host():
         host.add_addrs(other, [new, first])
         assert len(full) == MAX_ADDRS_PER_PEER
         assert host.peer_info(other).addrs[0] is first and len(host.peer_info(other).addrs) == len(full)
-        assert list(transport.known_addresses(other)) == [a.to_bytes() for a in host.peer_info(other).addrs][
-            :MAX_SHARED_ADDRESSES]
+        assert (
+            list(transport.known_addresses(other))
+            == [a.to_bytes() for a in host.peer_info(other).addrs][:MAX_SHARED_ADDRESSES]
+        )
         assert new.to_bytes() in transport.known_addresses(other)
         await host.shutdown()
 

@@ -28,8 +28,13 @@ PEERS = [PrivateKey.from_seed(bytes([i]) * 32).peer_id for i in range(1, 120)]
 def make_core(node_id=None, bucket_size=20, client_mode=False, validator=None, depth_modulo=5) -> DHTProtocol:
     node_id = node_id if node_id is not None else DHTID.generate()
     return DHTProtocol(
-        node_id, RoutingTable(node_id, bucket_size, depth_modulo), DHTLocalStorage(), DHTLocalStorage(maxsize=10),
-        validator, num_replicas=3, client_mode=client_mode,
+        node_id,
+        RoutingTable(node_id, bucket_size, depth_modulo),
+        DHTLocalStorage(),
+        DHTLocalStorage(maxsize=10),
+        validator,
+        num_replicas=3,
+        client_mode=client_mode,
     )
 
 
@@ -62,12 +67,25 @@ def test_client_core_answers_without_an_id():
 def test_store_then_find():
     core = make_core()
     key = DHTID.generate("k")
-    items = (StoreItem(key, None, b"v1", 10.0), StoreItem(key, None, b"v0", 9.0), StoreItem(key, None, b"v", -1.0))
+    items = (
+        StoreItem(key, None, b"v1", 10.0),
+        StoreItem(key, None, b"v0", 9.0),
+        StoreItem(key, None, b"v", -1.0),
+    )
     response, _ = serve(core, PEERS[0], StoreRequest(None, items), now=0.0)
     assert response == StoreResponse(core.node_id, (True, False, False))
     dict_key = DHTID.generate("d")
-    serve(core, PEERS[0], StoreRequest(None, (StoreItem(dict_key, b"\xa1a", b"x", 5.0),
-                                              StoreItem(dict_key, b"\xa1b", b"y", 7.0, in_cache=True))))
+    serve(
+        core,
+        PEERS[0],
+        StoreRequest(
+            None,
+            (
+                StoreItem(dict_key, b"\xa1a", b"x", 5.0),
+                StoreItem(dict_key, b"\xa1b", b"y", 7.0, in_cache=True),
+            ),
+        ),
+    )
     for i in range(5):
         serve(core, PEERS[i + 1], PingRequest(DHTID.generate()))
     response, _ = serve(core, PEERS[0], FindRequest(None, (key, dict_key, DHTID.generate("none"))), now=1.0)
@@ -124,7 +142,9 @@ def test_new_nearer_peer_gets_the_keys_handed_over():
     _, actions = serve(core, PEERS[0], PingRequest(DHTID(2)))
     assert len(actions) == 1 and isinstance(actions[0], HandOver)
     assert {(item.key, item.subkey, item.value) for item in actions[0].items} == {
-        (key, None, b"v"), (DHTID(3), b"\xa1s", b"d")}
+        (key, None, b"v"),
+        (DHTID(3), b"\xa1s", b"d"),
+    }
     _, actions = serve(core, PEERS[0], PingRequest(DHTID(2)))
     assert actions == []  # only when first seen
     _, actions = serve(core, PEERS[1], PingRequest(DHTID(2**158)))
@@ -160,8 +180,10 @@ def run_traversal(traversal, tables, dead=(), bucket_size=5, order_seed=0):
             traversal.on_failure(request)
         else:
             table = tables[request.node_id]  # live peers have evicted the dead ones from their tables
-            answer = {q: [n for n in table.get_nearest_neighbors(q, bucket_size + len(dead)) if n[0] not in dead]
-                      for q in request.queries}
+            answer = {
+                q: [n for n in table.get_nearest_neighbors(q, bucket_size + len(dead)) if n[0] not in dead]
+                for q in request.queries
+            }
             traversal.on_response(request, {q: neighbours[:bucket_size] for q, neighbours in answer.items()})
     return requests
 

@@ -11,10 +11,17 @@ from plexus.utils.timing import ManualClock, get_dht_time, use_clock
 pytestmark = pytest.mark.timeout(30)
 
 values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text() | st.binary(),
-    lambda children: st.lists(children, max_size=4)
-    | st.tuples(children, children)
-    | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary(),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.tuples(children, children)
+        | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
     max_leaves=20,
 )
 

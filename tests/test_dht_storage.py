@@ -130,8 +130,9 @@ def test_subkey_stuffing_does_not_hide_an_honest_entry():
     assert len(dictionary) <= limits.max_entries_per_key and OTHER_OWNER in dictionary
     reply = dict(storage.reply_items(dictionary, now=0))
     assert OTHER_OWNER in reply and sum(len(k) + len(v.value) for k, v in reply.items()) <= 4096
-    assert storage.store(KEY, b"late", 100, now=0, subkey=OWNER, sender=b"another-honest-peer"), \
+    assert storage.store(KEY, b"late", 100, now=0, subkey=OWNER, sender=b"another-honest-peer"), (
         "a full key still takes an entry of a new sender"
+    )
 
 
 def test_plain_value_never_replaces_or_shadows_owned_entries():
@@ -161,8 +162,9 @@ def test_making_room_never_lets_a_sender_overtake_the_one_it_evicts():
     storage = DHTLocalStorage(limits=StorageLimits(max_bytes=12_000, max_bytes_per_sender=12_000))
     assert storage.store(DHTID.generate("a"), b"x" * 5000, 100, now=0, sender=b"a")
     assert storage.store(DHTID.generate("b"), b"x" * 4000, 100, now=0, sender=b"b")
-    assert not storage.store(DHTID.generate("b2"), b"x" * 2000, 100, now=0, sender=b"b"), \
+    assert not storage.store(DHTID.generate("b2"), b"x" * 2000, 100, now=0, sender=b"b"), (
         "b would then hold more than a: no eviction (else the two would evict each other in turn)"
+    )
     assert storage.bytes_of(b"a") > 5000 and storage.total_bytes <= 12_000
 
 

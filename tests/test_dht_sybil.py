@@ -34,8 +34,12 @@ def test_groups_by_network():
     assert options.group_of(None) is None and options.group_of("example.org") is None
     assert DiversityOptions(exempt_networks=()).group_of("127.0.0.1") == "127.0.0.0/24"
     assert DiversityOptions(ipv4_prefix=16).group_of("203.0.113.7") == "203.0.0.0/16"
-    for bad in (dict(max_per_bucket=0), dict(max_per_table=-1), dict(ipv4_prefix=33),
-                dict(exempt_networks=("not a network",))):
+    for bad in (
+        dict(max_per_bucket=0),
+        dict(max_per_table=-1),
+        dict(ipv4_prefix=33),
+        dict(exempt_networks=("not a network",)),
+    ):
         with pytest.raises(ValueError):
             DiversityOptions(**bad)
 
@@ -100,13 +104,21 @@ async def sybil_swarm(network: MemoryNetwork, honest_count: int, sybil_count: in
     honest = [await DHTNode.create(rpc=network.create_transport(ip="10.0.0.1"), **options)]
     for i in range(1, honest_count):
         initial = [node.peer_id for node in rng.sample(honest, min(3, len(honest)))]
-        honest.append(await DHTNode.create(rpc=network.create_transport(ip=f"10.0.0.{i + 1}"),
-                                           initial_peers=initial, **options))
+        honest.append(
+            await DHTNode.create(
+                rpc=network.create_transport(ip=f"10.0.0.{i + 1}"), initial_peers=initial, **options
+            )
+        )
     sybils = []
     for _ in range(sybil_count):
         initial = [node.peer_id for node in rng.sample(honest, 2)]
-        sybils.append(await DHTNode.create(rpc=network.create_transport(ip=SYBIL_IP), initial_peers=initial,
-                                           cache_refresh_before_expiry=0))
+        sybils.append(
+            await DHTNode.create(
+                rpc=network.create_transport(ip=SYBIL_IP),
+                initial_peers=initial,
+                cache_refresh_before_expiry=0,
+            )
+        )
     await asyncio.gather(*(sybil.find_nearest_nodes([DHTID.generate()]) for sybil in sybils))
     for node in honest:  # honest lookups meet the Sybils too (they answer while alive)
         await node.find_nearest_nodes([DHTID.generate() for _ in range(4)])

@@ -60,15 +60,25 @@ def drive(traversal, tables, delays, silent=(), max_outstanding=None):
             traversal.on_failure(request)
         else:
             table = tables[request.node_id]
-            answer = {q: [n for n in table.get_nearest_neighbors(q, BUCKET + len(silent))
-                          if n[0] not in silent][:BUCKET] for q in request.queries}
+            answer = {
+                q: [n for n in table.get_nearest_neighbors(q, BUCKET + len(silent)) if n[0] not in silent][
+                    :BUCKET
+                ]
+                for q in request.queries
+            }
             traversal.on_response(request, answer, now)
     return now, trace
 
 
 def start(ids, tables, query, **options):
-    return Traversal([query], tables[ids[0]].get_nearest_neighbors(query, BUCKET), beam_size=BUCKET,
-                     num_workers=3, exclude=[ids[0]], **options)
+    return Traversal(
+        [query],
+        tables[ids[0]].get_nearest_neighbors(query, BUCKET),
+        beam_size=BUCKET,
+        num_workers=3,
+        exclude=[ids[0]],
+        **options,
+    )
 
 
 def test_a_silent_peer_among_the_nearest_costs_the_straggler_limit_not_the_timeout():
@@ -133,8 +143,14 @@ def test_outstanding_requests_stay_bounded_when_every_peer_is_silent():
     ended, trace = drive(traversal, tables, {}, silent, max_outstanding=3 + 4)
     assert traversal.done and traversal.nearest(query) == []
     assert ended >= WAIT_TIMEOUT  # with everyone silent, only failures end the lookup
-    stragglers_at_cap = Traversal([query], tables[ids[0]].get_nearest_neighbors(query, BUCKET), BUCKET,
-                                  num_workers=1, straggler_timeout=0.1, max_stragglers=1)
+    stragglers_at_cap = Traversal(
+        [query],
+        tables[ids[0]].get_nearest_neighbors(query, BUCKET),
+        BUCKET,
+        num_workers=1,
+        straggler_timeout=0.1,
+        max_stragglers=1,
+    )
     stragglers_at_cap.next_queries(0.0)
     stragglers_at_cap.next_queries(0.1)  # the first straggles, a second is sent
     assert stragglers_at_cap.stragglers == 1 and stragglers_at_cap.in_flight == 1

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def record(key, value, expiration=100.0, subkey=None) -> DHTRecord:
-    return make_record(DHTID.generate(key), None if subkey is None else S.dumps(subkey), S.dumps(value), expiration)
+    return make_record(
+        DHTID.generate(key), None if subkey is None else S.dumps(subkey), S.dumps(value), expiration
+    )
 
 
 def test_owned_record_needs_the_owners_signature():
@@ -31,22 +33,30 @@ def test_owned_record_needs_the_owners_signature():
     assert alice.strip_value(signed) == owned.value
     assert not mallory.validate(owned)  # unsigned
     # mallory signs with her own key: still not alice's signature
-    forged = DHTRecord(owned.key, owned.subkey, owned.value + mallory.sign_value(
-        DHTRecord(owned.key, mallory.local_public_key, owned.value, owned.expiration_time))[len(owned.value):],
-        owned.expiration_time)
+    forged = DHTRecord(
+        owned.key,
+        owned.subkey,
+        owned.value
+        + mallory.sign_value(
+            DHTRecord(owned.key, mallory.local_public_key, owned.value, owned.expiration_time)
+        )[len(owned.value) :],
+        owned.expiration_time,
+    )
     assert not alice.validate(forged)
     # a signature does not carry over to another expiration, key or value
     for changed in (
         DHTRecord(signed.key, signed.subkey, signed.value, signed.expiration_time + 1),
         DHTRecord(DHTID.generate("other").to_bytes(), signed.subkey, signed.value, signed.expiration_time),
-        DHTRecord(signed.key, signed.subkey, S.dumps({"step": 2}) + signed.value[len(owned.value):], 100.0),
+        DHTRecord(signed.key, signed.subkey, S.dumps({"step": 2}) + signed.value[len(owned.value) :], 100.0),
     ):
         assert not alice.validate(changed)
 
 
 def test_two_owners_or_garbage_markers_are_refused():
     alice, bob = Ed25519SignatureValidator(), Ed25519SignatureValidator()
-    both = DHTRecord(DHTID.generate("k").to_bytes(), alice.local_public_key + bob.local_public_key, b"\x01", 10.0)
+    both = DHTRecord(
+        DHTID.generate("k").to_bytes(), alice.local_public_key + bob.local_public_key, b"\x01", 10.0
+    )
     assert not alice.validate(DHTRecord(both.key, both.subkey, alice.sign_value(both), 10.0))
     garbage = DHTRecord(both.key, b"[owner:AAAA]", b"\x01[signature:AAAA]", 10.0)
     assert not alice.validate(garbage)
@@ -100,7 +110,10 @@ def test_schema_prefix_and_merge():
 def test_composite_signs_then_validates_in_priority_order():
     signer = Ed25519SignatureValidator()
     composite = CompositeValidator([SchemaValidator(Schema, allow_extra_keys=False), signer])
-    assert [type(v).__name__ for v in composite.validators] == ["SchemaValidator", "Ed25519SignatureValidator"]
+    assert [type(v).__name__ for v in composite.validators] == [
+        "SchemaValidator",
+        "Ed25519SignatureValidator",
+    ]
     owned = record("progress", {"step": 1}, subkey=signer.local_public_key)
     signed = DHTRecord(owned.key, owned.subkey, composite.sign_value(owned), owned.expiration_time)
     assert composite.validate(signed)  # the schema sees the value with the signature stripped

@@ -33,10 +33,12 @@ def test_state_rounds_change_nothing_across_epochs_or_between_identical_states()
 def test_after_the_round():
     assert after_gradient_round(3, {"a": 3, "b": 3}, swarm_moved_on=False) is EpochAction.STEP_AVERAGED
     assert after_gradient_round(3, {"a": 3, "b": 4}, swarm_moved_on=False) is EpochAction.LOAD_STATE
-    assert after_gradient_round(3, None, swarm_moved_on=False) is EpochAction.STEP_LOCAL, \
+    assert after_gradient_round(3, None, swarm_moved_on=False) is EpochAction.STEP_LOCAL, (
         "nobody stepped without us: our own gradients are the epoch's average of who is left"
-    assert after_gradient_round(3, None, swarm_moved_on=True) is EpochAction.LOAD_STATE, \
+    )
+    assert after_gradient_round(3, None, swarm_moved_on=True) is EpochAction.LOAD_STATE, (
         "the swarm stepped without us: stepping alone would fork its epoch"
+    )
     assert overtaken(3, 4) and not overtaken(3, 3) and not overtaken(4, 3)
 
 
@@ -46,4 +48,6 @@ def test_loading_state_is_retried_after_a_pause_when_no_donor_was_up_to_date():
     assert should_load_state(5, 6, must_load=False, now=now, next_attempt=0.0)
     assert not should_load_state(5, 6, must_load=False, now=now, next_attempt=now + 10), "pausing"
     assert should_load_state(5, 6, must_load=False, now=now + 10, next_attempt=now + 10)
-    assert should_load_state(5, 5, must_load=True, now=now, next_attempt=now + 10), "a round said we are behind"
+    assert should_load_state(5, 5, must_load=True, now=now, next_attempt=now + 10), (
+        "a round said we are behind"
+    )

@@ -22,8 +22,9 @@ FAST = dict(min_matchmaking_time=1.0, request_timeout=0.5, start=True)
 @pytest.fixture(scope="module")
 def swarm():
     first = DHT(start=True, host_maddrs=LOCAL)
-    dhts = [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL)
-                      for _ in range(3)]
+    dhts = [first] + [
+        DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(3)
+    ]
     yield dhts
     for dht in dhts:
         dht.shutdown()
@@ -31,8 +32,10 @@ def swarm():
 
 def make_params(seed: int = 0, dtype=torch.float32) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
-            for shape in [(5, 3), (3,), (2, 2, 2)]]
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype))
+        for shape in [(5, 3), (3,), (2, 2, 2)]
+    ]
 
 
 def set_grads(params, seed: int) -> list[torch.Tensor]:
@@ -56,8 +59,10 @@ def shutdown(*averagers) -> None:
 @pytest.mark.parametrize("n, samples", [(2, [8, 8]), (3, [1, 5, 10]), (4, [3, 3, 3, 3])])
 def test_sample_weighted_mean(swarm, n, samples):
     peers = [make_params(i) for i in range(n)]
-    averagers = [GradientAverager(params, dht=dht, prefix=f"mean{n}", target_group_size=n, **FAST)
-                 for params, dht in zip(peers, swarm)]
+    averagers = [
+        GradientAverager(params, dht=dht, prefix=f"mean{n}", target_group_size=n, **FAST)
+        for params, dht in zip(peers, swarm)
+    ]
     try:
         local = []
         for i, (params, averager) in enumerate(zip(peers, averagers)):
@@ -81,8 +86,9 @@ def test_sample_weighted_mean(swarm, n, samples):
 def test_accumulation_over_unequal_micro_batches_into_given_buffers(swarm):
     peers = [make_params(i) for i in range(2)]
     buffers = [torch.zeros(p.shape) for p in peers[0]]
-    a = GradientAverager(peers[0], dht=swarm[0], prefix="accumulate", averaged_grads=buffers,
-                         target_group_size=2, **FAST)
+    a = GradientAverager(
+        peers[0], dht=swarm[0], prefix="accumulate", averaged_grads=buffers, target_group_size=2, **FAST
+    )
     b = GradientAverager(peers[1], dht=swarm[1], prefix="accumulate", target_group_size=2, **FAST)
     try:
         sizes, total = [4, 2, 6], [torch.zeros(p.shape, dtype=torch.float64) for p in peers[0]]
@@ -112,11 +118,15 @@ def test_reuse_grad_buffers_matches_the_full_batch_gradient(swarm):
     for model in models:
         model.load_state_dict(template.state_dict())
     data = [torch.randn(4, 6) for _ in range(4)]  # two micro-batches of 4 per peer
-    averagers = [GradientAverager(model.parameters(), dht=dht, prefix="reuse", reuse_grad_buffers=True,
-                                  target_group_size=2, **FAST) for model, dht in zip(models, swarm)]
+    averagers = [
+        GradientAverager(
+            model.parameters(), dht=dht, prefix="reuse", reuse_grad_buffers=True, target_group_size=2, **FAST
+        )
+        for model, dht in zip(models, swarm)
+    ]
     try:
         for i, (model, averager) in enumerate(zip(models, averagers)):
-            for batch in data[2 * i:2 * i + 2]:
+            for batch in data[2 * i : 2 * i + 2]:
                 model(batch).square().mean().backward()  # no zero_grad: .grad accumulates
                 averager.accumulate_grads_(len(batch))
         controls = [averager.step(wait=False, timeout=20) for averager in averagers]
@@ -142,8 +152,10 @@ def wait_for_stage(control, stage, timeout: float = 15.0) -> None:
 
 def test_schedule_step_matches_ahead_and_waits_for_the_trigger(swarm):
     peers = [make_params(i) for i in range(2)]
-    averagers = [GradientAverager(params, dht=dht, prefix="scheduled", target_group_size=2, **FAST)
-                 for params, dht in zip(peers, swarm)]
+    averagers = [
+        GradientAverager(params, dht=dht, prefix="scheduled", target_group_size=2, **FAST)
+        for params, dht in zip(peers, swarm)
+    ]
     try:
         controls = [averager.schedule_step(timeout=20) for averager in averagers]
         for control in controls:
@@ -152,8 +164,9 @@ def test_schedule_step_matches_ahead_and_waits_for_the_trigger(swarm):
         for i, (params, averager) in enumerate(zip(peers, averagers)):
             local.append(set_grads(params, i))
             averager.accumulate_grads_(1 + 3 * i)
-        results = [averager.step(control=control, wait=False)
-                   for averager, control in zip(averagers, controls)]
+        results = [
+            averager.step(control=control, wait=False) for averager, control in zip(averagers, controls)
+        ]
         for result in results:
             assert len(result.result(20)) == 2
         expected = [(1 * g0.double() + 4 * g1.double()) / 5 for g0, g1 in zip(*local)]
@@ -207,8 +220,10 @@ def power_params(seed: int, dtype=torch.float32) -> list[torch.nn.Parameter]:
 def reference_round(grads_per_peer, weights, qs, errors):
     """PowerSGD done locally in float64: returns (averaged grads, new qs, new errors per peer)."""
     total = sum(weights)
-    ms = [[e + g[k].double().reshape(matrix_shape(g[k].shape)) for k, e in zip((0, 1), errs)]
-          for g, errs in zip(grads_per_peer, errors)]
+    ms = [
+        [e + g[k].double().reshape(matrix_shape(g[k].shape)) for k, e in zip((0, 1), errs)]
+        for g, errs in zip(grads_per_peer, errors)
+    ]
     ps = [sum(w * m[j] @ qs[j] for w, m in zip(weights, ms)) / total for j in range(2)]
     ps = [orthogonalize_(p) for p in ps]
     new_qs = [sum(w * m[j].T @ ps[j] for w, m in zip(weights, ms)) / total for j in range(2)]
@@ -222,8 +237,10 @@ def reference_round(grads_per_peer, weights, qs, errors):
 def test_powersgd_matches_a_local_reference_and_feeds_back_its_error(swarm):
     n, weights = 3, [2, 1, 5]
     peers = [power_params(i) for i in range(n)]
-    averagers = [PowerSGDGradientAverager(params, 2, dht=dht, prefix="power", target_group_size=n, **FAST)
-                 for params, dht in zip(peers, swarm)]
+    averagers = [
+        PowerSGDGradientAverager(params, 2, dht=dht, prefix="power", target_group_size=n, **FAST)
+        for params, dht in zip(peers, swarm)
+    ]
     try:
         _, qs, _ = averagers[0].get_current_state()
         assert [tuple(q.shape) for q in qs] == [(12, 2), (8, 2)], "only the two big tensors are factorised"
@@ -272,8 +289,10 @@ def test_matrix_views_and_orthogonalisation():
 def test_powersgd_with_bf16_gradients(swarm):
     weights = [1, 3]
     peers = [power_params(i, torch.bfloat16) for i in range(2)]
-    averagers = [PowerSGDGradientAverager(params, 2, dht=dht, prefix="power16", target_group_size=2, **FAST)
-                 for params, dht in zip(peers, swarm)]
+    averagers = [
+        PowerSGDGradientAverager(params, 2, dht=dht, prefix="power16", target_group_size=2, **FAST)
+        for params, dht in zip(peers, swarm)
+    ]
     try:
         qs = [q.double() for q in averagers[0].get_current_state()[1]]
         local = []
@@ -292,8 +311,9 @@ def test_powersgd_with_bf16_gradients(swarm):
 
 
 def test_powersgd_and_plain_peers_refuse_each_other_cleanly(swarm):
-    power = PowerSGDGradientAverager(power_params(0), 2, dht=swarm[0], prefix="mixed", target_group_size=2,
-                                     **FAST)
+    power = PowerSGDGradientAverager(
+        power_params(0), 2, dht=swarm[0], prefix="mixed", target_group_size=2, **FAST
+    )
     plain = GradientAverager(power_params(1), dht=swarm[1], prefix="mixed", target_group_size=2, **FAST)
     try:
         assert power.schema_hash != plain.schema_hash

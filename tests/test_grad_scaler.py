@@ -59,7 +59,9 @@ def test_micro_batches_stay_scaled_and_the_global_step_unscales_once():
         scaler.step(opt)
         assert scaler.update() is False
         assert scaler.get_scale() == 2.0**10, "no growth without a real step"
-        assert torch.equal(weight.grad, 2.0**10 * sum(xs[:k + 1])), "gradients stay scaled while accumulating"
+        assert torch.equal(weight.grad, 2.0**10 * sum(xs[: k + 1])), (
+            "gradients stay scaled while accumulating"
+        )
         assert torch.equal(weight, torch.zeros(4))
     micro_batch(scaler, weight, xs[2])
     scaler.step(opt)

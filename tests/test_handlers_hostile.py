@@ -66,8 +66,10 @@ def test_rpc_bounds_concurrent_requests_per_peer_and_says_so(caplog):
         addr = server.get_visible_maddrs()[0]
         for host in (greedy, other):
             await host.connect(addr)
-        calls = [asyncio.ensure_future(rpc.call(greedy, server.peer_id, "/test/slow/1.0.0", b"x", timeout=10))
-                 for _ in range(2)]
+        calls = [
+            asyncio.ensure_future(rpc.call(greedy, server.peer_id, "/test/slow/1.0.0", b"x", timeout=10))
+            for _ in range(2)
+        ]
         await until(lambda: len(entered) == 2, what="two requests under way")
         with pytest.raises(rpc.RPCError, match="too many concurrent /test/slow/1.0.0 requests from you"):
             await rpc.call(greedy, server.peer_id, "/test/slow/1.0.0", b"x", timeout=10)
@@ -99,8 +101,14 @@ def test_rpc_requests_must_arrive_in_time_and_fit_before_any_work(caplog):
                 yield request
 
         rpc.add_handler(server, "/test/unary/1.0.0", unary, request_timeout=0.3, max_message_size=1000)
-        rpc.add_handler(server, "/test/stream/1.0.0", streaming, stream_input=True, stream_output=True,
-                        request_timeout=0.3)
+        rpc.add_handler(
+            server,
+            "/test/stream/1.0.0",
+            streaming,
+            stream_input=True,
+            stream_output=True,
+            request_timeout=0.3,
+        )
         addr = server.get_visible_maddrs()[0]
 
         # A request cut short (the header promises 100 bytes, 10 come), then silence.
@@ -139,9 +147,11 @@ def test_identify_push_garbage_oversize_and_silence_are_refused(caplog):
         addr = server.get_visible_maddrs()[0]
         await client.identify((await client.connect(addr)).remote_peer, timeout=5)
         before = list(server.peer_info(client.peer_id).protocols)
-        for payload in (b"\x05\xff\xff\xff\xff\xff",  # a varint-framed message that is not protobuf
-                        encode_uvarint(identify_core.MAX_IDENTIFY_SIZE + 1),  # too long: refused at once
-                        b"\x20" + b"\x0a"):  # 32 bytes promised, 1 sent, then silence
+        for payload in (
+            b"\x05\xff\xff\xff\xff\xff",  # a varint-framed message that is not protobuf
+            encode_uvarint(identify_core.MAX_IDENTIFY_SIZE + 1),  # too long: refused at once
+            b"\x20" + b"\x0a",
+        ):  # 32 bytes promised, 1 sent, then silence
             stream = await client.new_stream(addr, identify_core.IDENTIFY_PUSH_PROTOCOL)
             await stream.write(payload)
             with pytest.raises(StreamError):
@@ -162,11 +172,20 @@ def test_identify_claims_are_bounded_and_no_peer_can_fill_our_observed_addresses
         for i, sybil in enumerate(sybils):
             connection = await sybil.connect(addr)
             stream = await sybil.new_stream(server.peer_id, identify_core.IDENTIFY_PUSH_PROTOCOL)
-            await write_delimited(stream, identify_core.encode_identify({
-                "listen_addrs": [Multiaddr(f"/ip4/10.1.{j // 250}.{j % 250}/tcp/1").to_bytes()
-                                 for j in range(500)],
-                "observed_addr": Multiaddr(f"/ip4/203.0.113.{i}/tcp/4001").to_bytes(),  # each claims another
-                "protocols": ["/x"] * 100}))
+            await write_delimited(
+                stream,
+                identify_core.encode_identify(
+                    {
+                        "listen_addrs": [
+                            Multiaddr(f"/ip4/10.1.{j // 250}.{j % 250}/tcp/1").to_bytes() for j in range(500)
+                        ],
+                        "observed_addr": Multiaddr(
+                            f"/ip4/203.0.113.{i}/tcp/4001"
+                        ).to_bytes(),  # each claims another
+                        "protocols": ["/x"] * 100,
+                    }
+                ),
+            )
             await stream.close()
             await until(lambda: len(server.peer_info(sybil.peer_id).addrs) > 0, what="the push applied")
             assert connection is not None
@@ -176,11 +195,15 @@ def test_identify_claims_are_bounded_and_no_peer_can_fill_our_observed_addresses
         # An address that two peers saw outranks any number of addresses one peer each claims.
         honest = Multiaddr("/ip4/198.51.100.7/tcp/4001")
         for sybil in sybils[:2]:
-            server.identify_service.apply(sybil.peer_id, {"observed_addr": honest.to_bytes()},
-                                          server.get_connection(sybil.peer_id))
+            server.identify_service.apply(
+                sybil.peer_id, {"observed_addr": honest.to_bytes()}, server.get_connection(sybil.peer_id)
+            )
         for i in range(100, 140):
-            server.identify_service.apply(sybils[-1].peer_id, {"observed_addr": Multiaddr(
-                f"/ip4/203.0.113.{i}/tcp/4001").to_bytes()}, server.get_connection(sybils[-1].peer_id))
+            server.identify_service.apply(
+                sybils[-1].peer_id,
+                {"observed_addr": Multiaddr(f"/ip4/203.0.113.{i}/tcp/4001").to_bytes()},
+                server.get_connection(sybils[-1].peer_id),
+            )
         assert honest in server.identify_service.observed_addrs
         await shutdown(server, *sybils)
 
@@ -247,8 +270,12 @@ def test_dcutr_never_dials_a_third_host_or_an_unobserved_ip(caplog):
             await until(lambda: victim.get_connection(hostile.peer_id) is not None, what="the circuit")
             observed = victim.get_connection(hostile.peer_id).relay_observed_addrs
             assert str(observed[0]).startswith("/ip4/127.0.0.1/tcp/")  # where the relay saw the hostile peer
-            evil = [third_addr.to_bytes(), Multiaddr("/ip4/192.0.2.1/tcp/80").to_bytes(),
-                    victim.get_listen_maddrs()[0].to_bytes(), Multiaddr("/ip4/0.0.0.0/tcp/1").to_bytes()]
+            evil = [
+                third_addr.to_bytes(),
+                Multiaddr("/ip4/192.0.2.1/tcp/80").to_bytes(),
+                victim.get_listen_maddrs()[0].to_bytes(),
+                Multiaddr("/ip4/0.0.0.0/tcp/1").to_bytes(),
+            ]
             stream = await hostile.new_stream(victim.peer_id, dcutr_core.PROTOCOL, timeout=5)
             await write_delimited(stream, dcutr_core.encode(dcutr_core.CONNECT, evil))
             kind, _ = dcutr_core.decode(await read_message(stream))
@@ -286,16 +313,21 @@ def test_autonat_never_dials_a_third_host_or_an_unobserved_ip(caplog):
             await host.connect(server.get_visible_maddrs()[0])
         recorder = Recorder(third)
         autonat = AutoNAT(hostile, confidence=1)
-        for evil in ([third.get_listen_maddrs()[0]], [Multiaddr("/ip4/192.0.2.1/tcp/80")],
-                     [server.get_listen_maddrs()[0]], [Multiaddr("/dns4/example.com/tcp/80")]):
+        for evil in (
+            [third.get_listen_maddrs()[0]],
+            [Multiaddr("/ip4/192.0.2.1/tcp/80")],
+            [server.get_listen_maddrs()[0]],
+            [Multiaddr("/dns4/example.com/tcp/80")],
+        ):
             autonat.candidate_addrs = lambda evil=evil: [addr.to_bytes() for addr in evil]
             answer = await autonat.ask(server.peer_id)
             assert answer.status is ResponseStatus.E_DIAL_REFUSED, evil
             assert "no address we may dial you at" in answer.text
         assert recorder.count == 0
         # Two requests at once from one peer: the second stream is refused.
-        streams = [await hostile.new_stream(server.peer_id, autonat_core.PROTOCOL, lazy=True)
-                   for _ in range(2)]
+        streams = [
+            await hostile.new_stream(server.peer_id, autonat_core.PROTOCOL, lazy=True) for _ in range(2)
+        ]
         for stream in streams:
             await stream.write(b"\x01")  # a length prefix, then nothing: the first one holds its slot
         with pytest.raises(StreamError):

@@ -104,7 +104,11 @@ def test_streams_carry_data_both_ways_with_half_close():
     "dialer, listener, agreed",
     [
         (("AESGCM", "ChaChaPoly"), ("AESGCM", "ChaChaPoly"), AESGCM_SUITE),
-        (("AESGCM", "ChaChaPoly"), ("ChaChaPoly",), CHACHAPOLY_SUITE),  # a plain libp2p listener answers "na" first
+        (
+            ("AESGCM", "ChaChaPoly"),
+            ("ChaChaPoly",),
+            CHACHAPOLY_SUITE,
+        ),  # a plain libp2p listener answers "na" first
         (("ChaChaPoly",), ("AESGCM", "ChaChaPoly"), CHACHAPOLY_SUITE),  # a plain libp2p dialer
         (("ChaChaPoly", "AESGCM"), ("AESGCM", "ChaChaPoly"), CHACHAPOLY_SUITE),  # the dialer's order wins
     ],
@@ -217,10 +221,15 @@ def test_received_data_survives_buffer_reuse_while_readers_hold_it():
             await stream.read_until_eof(limit=0)
 
         senders = [asyncio.create_task(send((a, c)[i % 2], i)) for i in range(20)]
+
         def buffered() -> int:
             connections = [b.get_connection(a.peer_id), b.get_connection(c.peer_id)]
-            return sum(stream._buffered for connection in connections if connection
-                       for stream in connection.streams.values())
+            return sum(
+                stream._buffered
+                for connection in connections
+                if connection
+                for stream in connection.streams.values()
+            )
 
         while buffered() < 16 << 20:  # every stream's window is full (the test's timeout bounds this)
             await asyncio.sleep(0.01)
@@ -288,7 +297,11 @@ def test_handler_errors_and_garbage_do_not_take_the_host_down():
         with pytest.raises(StreamResetError):
             await stream.read()
         port = int(b.get_listen_maddrs()[0].value_for_protocol("tcp"))
-        for garbage in (b"\x00" * 100, os.urandom(5000), b"\x13/multistream/1.0.0\n\x07/noise\n" + os.urandom(300)):
+        for garbage in (
+            b"\x00" * 100,
+            os.urandom(5000),
+            b"\x13/multistream/1.0.0\n\x07/noise\n" + os.urandom(300),
+        ):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(garbage)
             writer.write_eof()  # a peer that sends garbage and stops: the host must close, not wait

@@ -44,8 +44,9 @@ def refusals(caplog, text: str) -> list[str]:
 
 
 def test_inbound_connections_are_bounded_per_ip_subnet_and_in_total():
-    limits = InboundConnections(max_total=10, max_pending=10, per_ip=2, per_subnet=3,
-                                exempt_networks=("127.0.0.0/8",))
+    limits = InboundConnections(
+        max_total=10, max_pending=10, per_ip=2, per_subnet=3, exempt_networks=("127.0.0.0/8",)
+    )
     assert address_keys("10.0.0.7") == ("10.0.0.7/32", "10.0.0.0/24")
     assert address_keys("2001:db8::1") == ("2001:db8::/64", "2001:db8::/48")
     assert address_keys("::ffff:10.0.0.7") == ("10.0.0.7/32", "10.0.0.0/24")
@@ -92,8 +93,10 @@ def test_rate_limited_log_says_each_thing_once_and_counts_the_rest(caplog):
         now[0] = 61
         assert log.warning(("flood", "peer-a"), "peer-a floods again")
     assert [r.getMessage() for r in caplog.records] == [
-        "peer-a floods", "peer-b floods (1 more like it not logged)",
-        "peer-a floods again (1 more like it not logged)"]
+        "peer-a floods",
+        "peer-b floods (1 more like it not logged)",
+        "peer-a floods again (1 more like it not logged)",
+    ]
 
 
 # --- floods against a live node --------------------------------------------------------------------
@@ -103,8 +106,11 @@ async def dht_peer(bootstrap: list | None = None, **options) -> tuple[Host, DHTN
     host = await Host(**{"host_maddrs": LOCAL, **options}).start()
     for other, addrs in bootstrap or ():
         host.add_addrs(other.peer_id, addrs)
-    node = await DHTNode.create(initial_peers=[other.peer_id for other, _ in bootstrap or ()],
-                                rpc=HostDHTTransport(host), wait_timeout=5)
+    node = await DHTNode.create(
+        initial_peers=[other.peer_id for other, _ in bootstrap or ()],
+        rpc=HostDHTTransport(host),
+        wait_timeout=5,
+    )
     return host, node
 
 
@@ -178,8 +184,9 @@ def test_a_thousand_connections_from_one_ip_under_many_peer_ids_leave_room_for_a
     # The attacker comes from ::1 under a fresh peer id for every connection; honest peers from 127.0.0.1.
     # Loopback is exempt from the per-IP bound by default, so the victim takes the exemption away.
     async def main():
-        victim = await dht_peer(host_maddrs=("/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"),
-                                limit_exempt_networks=())
+        victim = await dht_peer(
+            host_maddrs=("/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/0"), limit_exempt_networks=()
+        )
         other = await dht_peer([(victim[0], [victim_addr(victim)])])
         assert await other[1].store("key", "value", get_dht_time() + 600)
         ip6 = [addr for addr in victim[0].get_listen_maddrs() if addr.protocols()[0] == "ip6"][0]
@@ -199,8 +206,9 @@ def test_a_thousand_connections_from_one_ip_under_many_peer_ids_leave_room_for_a
 
 def test_silent_streams_are_reset_and_idle_connections_closed_with_streams_open(caplog):
     async def main():
-        server = await Host(host_maddrs=LOCAL, negotiate_timeout=0.3, request_timeout=0.3,
-                            idle_timeout=0.8).start()
+        server = await Host(
+            host_maddrs=LOCAL, negotiate_timeout=0.3, request_timeout=0.3, idle_timeout=0.8
+        ).start()
         flood = ConnectionFlood(server.get_visible_maddrs()[0])  # one connection, a ping stream, then silence
         await flood.run(1)
         (connection,) = flood.held

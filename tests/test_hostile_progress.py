@@ -22,16 +22,25 @@ TARGET, EPOCHS = 64, 4
 
 def forge(dht: DHT, key: str, stop: threading.Event) -> None:
     """Keep the forged records fresh until `stop`, each under an identity of its own."""
-    forgeries = [dict(epoch=10**9), dict(samples_per_second=1e300), dict(samples_accumulated=10**12),
-                 dict(time_ahead=1e6)]
+    forgeries = [
+        dict(epoch=10**9),
+        dict(samples_per_second=1e300),
+        dict(samples_accumulated=10**12),
+        dict(time_ahead=1e6),
+    ]
     signers = [(PrivateKey.generate(), forgery) for forgery in forgeries]
     dht.add_validators([Ed25519SignatureValidator(private_key) for private_key, _ in signers])
     while not stop.is_set():
         now = get_dht_time()
         for private_key, forgery in signers:
-            record = dict(peer_id=private_key.peer_id.to_bytes(), epoch=0, samples_accumulated=TARGET - 1,
-                          samples_per_second=100.0, time=now + forgery.get("time_ahead", 0.0),
-                          client_mode=False)
+            record = dict(
+                peer_id=private_key.peer_id.to_bytes(),
+                epoch=0,
+                samples_accumulated=TARGET - 1,
+                samples_per_second=100.0,
+                time=now + forgery.get("time_ahead", 0.0),
+                client_mode=False,
+            )
             record.update({name: value for name, value in forgery.items() if name != "time_ahead"})
             subkey = Ed25519SignatureValidator(private_key).local_public_key
             dht.store(key, record, now + 30, subkey=subkey)

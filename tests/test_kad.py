@@ -24,16 +24,23 @@ def peers(n: int):
 
 def test_codec_roundtrip_and_malformed_messages():
     a, b = peers(2)
-    message = KadMessage(MessageType.FIND_NODE, a.to_bytes(),
-                         (KadPeer(a, (ADDR,), core.Connectedness.CONNECTED), KadPeer(b)))
+    message = KadMessage(
+        MessageType.FIND_NODE, a.to_bytes(), (KadPeer(a, (ADDR,), core.Connectedness.CONNECTED), KadPeer(b))
+    )
     assert core.decode(core.encode(message)) == message
     assert core.decode(core.encode(KadMessage(MessageType.PING))) == KadMessage(MessageType.PING)
     # A peer whose id is not a multihash is dropped, not fatal; its neighbours survive.
     bad_peer = bytes([0x42, 5]) + b"\x0a\x03abc"
     raw = core.encode(KadMessage(MessageType.FIND_NODE, b"k", (KadPeer(a, (ADDR,)),))) + bad_peer
     assert core.decode(raw).closer_peers == (KadPeer(a, (ADDR,)),)
-    for garbage in (b"\x08\x09", b"\x08", b"\x12\xff", b"\x12" + bytes([0x80, 0x04]) + b"x" * 512,
-                    b"\x42\x02\x0a\x00" * (core.MAX_PEERS_PER_MESSAGE + 1), b"\x00" * (core.MAX_MESSAGE_SIZE + 1)):
+    for garbage in (
+        b"\x08\x09",
+        b"\x08",
+        b"\x12\xff",
+        b"\x12" + bytes([0x80, 0x04]) + b"x" * 512,
+        b"\x42\x02\x0a\x00" * (core.MAX_PEERS_PER_MESSAGE + 1),
+        b"\x00" * (core.MAX_MESSAGE_SIZE + 1),
+    ):
         with pytest.raises(RemoteProtocolError):
             core.decode(garbage)
 
@@ -46,10 +53,12 @@ def test_server_answers_from_its_table():
     addrs_of = lambda peer: (ADDR,) if peer in table or peer == wanted else ()  # noqa: E731
     me = KadPeer(local, (ADDR,))
     # A known peer comes back alone; an unknown key gets the k closest servers, never the requester.
-    assert core.answer(KadMessage(MessageType.FIND_NODE, wanted.to_bytes()), table, addrs_of, me, requester) \
-        .closer_peers == (KadPeer(wanted, (ADDR,)),)
-    assert core.answer(KadMessage(MessageType.FIND_NODE, local.to_bytes()), table, addrs_of, me, requester) \
-        .closer_peers == (me,)
+    assert core.answer(
+        KadMessage(MessageType.FIND_NODE, wanted.to_bytes()), table, addrs_of, me, requester
+    ).closer_peers == (KadPeer(wanted, (ADDR,)),)
+    assert core.answer(
+        KadMessage(MessageType.FIND_NODE, local.to_bytes()), table, addrs_of, me, requester
+    ).closer_peers == (me,)
     reply = core.answer(KadMessage(MessageType.GET_PROVIDERS, b"some cid"), table, addrs_of, me, requester)
     named = [peer.peer_id for peer in reply.closer_peers]
     assert len(named) == core.K and requester not in named and reply.provider_peers == ()
@@ -64,8 +73,13 @@ def simulate(n: int, seed: int, target_index: int, lose: set[int] = frozenset())
     buckets of a Kademlia table, in small); `lose` never answer. Returns the finished lookup."""
     rng = random.Random(seed)
     ids = peers(n)
-    knows = {peer: sorted((p for p in ids if p != peer), key=lambda p: core.distance(p.to_bytes(), peer.to_bytes()))[:8]
-             + rng.sample([p for p in ids if p != peer], 8) for peer in ids}
+    knows = {
+        peer: sorted(
+            (p for p in ids if p != peer), key=lambda p: core.distance(p.to_bytes(), peer.to_bytes())
+        )[:8]
+        + rng.sample([p for p in ids if p != peer], 8)
+        for peer in ids
+    }
     lookup = PeerLookup(ids[target_index], [KadPeer(ids[1], (ADDR,))], local=ids[0])
     while not lookup.done:
         batch = lookup.next_queries()
@@ -74,9 +88,15 @@ def simulate(n: int, seed: int, target_index: int, lose: set[int] = frozenset())
             if ids.index(peer.peer_id) in lose:
                 lookup.on_failure(peer.peer_id)
             else:
-                closer = sorted(knows[peer.peer_id], key=lambda p: core.distance(p.to_bytes(), lookup.target.to_bytes()))
-                lookup.on_answer(peer.peer_id, KadMessage(MessageType.FIND_NODE, b"", tuple(
-                    KadPeer(p, (ADDR,)) for p in closer[: core.K])))
+                closer = sorted(
+                    knows[peer.peer_id], key=lambda p: core.distance(p.to_bytes(), lookup.target.to_bytes())
+                )
+                lookup.on_answer(
+                    peer.peer_id,
+                    KadMessage(
+                        MessageType.FIND_NODE, b"", tuple(KadPeer(p, (ADDR,)) for p in closer[: core.K])
+                    ),
+                )
     return lookup
 
 
@@ -103,7 +123,9 @@ def test_lookup_finds_a_peer_in_a_simulated_network_within_bounds():
 def test_use_ipfs_finds_our_peer_by_id_through_a_go_kademlia_dht(p2pd_factory):
     async def start_daemons():
         first = await p2pd_factory.start(dht_server=True)
-        rest = [await p2pd_factory.start(dht_server=True, bootstrap_peers=tuple(first.maddrs)) for _ in range(3)]
+        rest = [
+            await p2pd_factory.start(dht_server=True, bootstrap_peers=tuple(first.maddrs)) for _ in range(3)
+        ]
         return [first] + rest
 
     daemons = asyncio.run(start_daemons())
@@ -114,12 +136,18 @@ def test_use_ipfs_finds_our_peer_by_id_through_a_go_kademlia_dht(p2pd_factory):
         assert target.kademlia is not None and len(target.kademlia.table) >= 1
         assert target.store("hello", "from the peer found by id", get_dht_time() + 60)
         # ...and the second, bootstrapping through another daemon, finds it by its peer id alone.
-        with DHT(initial_peers=[f"/p2p/{target.peer_id}"], start=True, host_maddrs=local, use_ipfs=True,
-                 ipfs_bootstrap_peers=daemons[3].maddrs) as finder:
+        with DHT(
+            initial_peers=[f"/p2p/{target.peer_id}"],
+            start=True,
+            host_maddrs=local,
+            use_ipfs=True,
+            ipfs_bootstrap_peers=daemons[3].maddrs,
+        ) as finder:
             assert finder.get("hello", latest=True).value == "from the peer found by id"
             info = finder.host.peer_info(target.peer_id)
             assert info is not None and set(map(str, info.addrs)) & {
-                str(a.without_peer_id()) for a in target.get_visible_maddrs()}
+                str(a.without_peer_id()) for a in target.get_visible_maddrs()
+            }
             connection = finder.host.get_connection(target.peer_id)
             assert connection is not None and not getattr(connection, "relayed", False)
         # Without use_ipfs, a bare peer id is refused with the reason.

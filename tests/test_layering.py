@@ -18,8 +18,13 @@ def imported_modules(path: Path) -> set[str]:
 
 
 # State machines outside p2p/protocols that take time as a parameter and do no I/O either.
-OTHER_CORES = ("averaging/reducer_core.py", "averaging/matchmaking_state.py", "dht/traverse.py", "moe/client/beam.py",
-               "optim/epoch_policy.py")
+OTHER_CORES = (
+    "averaging/reducer_core.py",
+    "averaging/matchmaking_state.py",
+    "dht/traverse.py",
+    "moe/client/beam.py",
+    "optim/epoch_policy.py",
+)
 
 
 def test_protocol_cores_do_no_io():
@@ -34,4 +39,6 @@ def test_leaves_do_not_import_networking():
         for path in (PACKAGE / leaf).glob("*.py"):
             text = path.read_text()
             for layer in ("p2p", "dht", "averaging", "optim", "moe"):
-                assert f"from ..{layer}" not in text and f"plexus.{layer}" not in text, f"{path} imports {layer}"
+                assert f"from ..{layer}" not in text and f"plexus.{layer}" not in text, (
+                    f"{path} imports {layer}"
+                )

@@ -39,9 +39,11 @@ def request(expiration=101.0, schema=b"s", key=KEY, gather=b"g", client=False):
 
 # --- the state machine, without I/O ------------------------------------------------------------
 
+
 def leader_state(target=4, min_size=2, declared=100.0, client=False):
-    state = MatchmakingState(new_peer_id(), schema_hash=b"s", target_group_size=target,
-                             min_group_size=min_size, client_mode=client)
+    state = MatchmakingState(
+        new_peer_id(), schema_hash=b"s", target_group_size=target, min_group_size=min_size, client_mode=client
+    )
     state.start(KEY, b"leader")
     state.declare(declared, now=90.0)
     return state
@@ -80,7 +82,8 @@ def test_equal_times_break_ties_by_peer_id():
     other = new_peer_id()
     senior = other.to_bytes() < state.peer_id.to_bytes()
     assert answer(state, other, request(expiration=100.0)) is (
-        JoinCode.BAD_EXPIRATION_TIME if senior else JoinCode.ACCEPTED)
+        JoinCode.BAD_EXPIRATION_TIME if senior else JoinCode.ACCEPTED
+    )
 
 
 def test_assembles_when_full_or_at_its_time_with_enough_peers():
@@ -101,10 +104,10 @@ def test_assembles_when_full_or_at_its_time_with_enough_peers():
 def test_redeclaring_tells_followers_the_new_wait_and_a_leader_that_follows_redirects():
     state = leader_state(target=None, declared=100.0)
     state.on_join_request(new_peer_id(), request(), 90, "a")
-    (handle, update), = state.declare(105.0, now=100.0)
+    ((handle, update),) = state.declare(105.0, now=100.0)
     assert handle == "a" and update.join_code is JoinCode.ACCEPTED and update.time_left == pytest.approx(5.0)
     leader = new_peer_id()
-    (handle, notice), = state.on_accepted(leader)
+    ((handle, notice),) = state.on_accepted(leader)
     assert notice.join_code is JoinCode.GROUP_DISBANDED and notice.suggested_leader == leader.to_bytes()
     refusal = state.on_join_request(new_peer_id(), request(), 100, "b")
     assert refusal.join_code is JoinCode.NOT_A_LEADER and refusal.suggested_leader == leader.to_bytes()
@@ -117,12 +120,20 @@ def test_follower_checks_the_begin_message():
     leader = new_peer_id()
     state.on_accepted(leader)
     stranger = new_peer_id()
-    without_us = JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"x",
-                              peer_ids=(leader.to_bytes(), stranger.to_bytes()), gathered=(b"", b""))
+    without_us = JoinResponse(
+        int(JoinCode.BEGIN_ALLREDUCE),
+        group_id=b"x",
+        peer_ids=(leader.to_bytes(), stranger.to_bytes()),
+        gathered=(b"", b""),
+    )
     with pytest.raises(LeaderProtocolError):
         state.on_begin(leader, without_us)
-    good = JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"x",
-                        peer_ids=(state.peer_id.to_bytes(), leader.to_bytes()), gathered=(b"leader", b"l"))
+    good = JoinResponse(
+        int(JoinCode.BEGIN_ALLREDUCE),
+        group_id=b"x",
+        peer_ids=(state.peer_id.to_bytes(), leader.to_bytes()),
+        gathered=(b"leader", b"l"),
+    )
     assert state.on_begin(leader, good) == GroupInfo(b"x", (state.peer_id, leader), (b"leader", b"l"))
 
 
@@ -151,8 +162,9 @@ def test_messages_validate_every_field():
         lambda: JoinResponse(int(JoinCode.GROUP_IS_FULL), suggested_leader=b"\x00\x01"),
         lambda: JoinResponse(int(JoinCode.NOT_A_LEADER), suggested_leader=b"junk"),
         lambda: JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"x", peer_ids=(), gathered=()),
-        lambda: JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=b"",
-                             peer_ids=(new_peer_id().to_bytes(),), gathered=(b"",)),
+        lambda: JoinResponse(
+            int(JoinCode.BEGIN_ALLREDUCE), group_id=b"", peer_ids=(new_peer_id().to_bytes(),), gathered=(b"",)
+        ),
         lambda: JoinResponse(int(JoinCode.GROUP_IS_FULL), group_id=b"x"),
     ]:
         with pytest.raises(ValueError):
@@ -192,6 +204,7 @@ def test_group_keys_and_bits():
 
 # --- swarms of real hosts -----------------------------------------------------------------------
 
+
 class Swarm:
     """N hosts with DHT nodes in this event loop; `matchmakers()` adds one Matchmaking per peer."""
 
@@ -209,8 +222,9 @@ class Swarm:
         async def join(client: bool):
             host = await Host(host_maddrs=() if client else LOCAL).start()
             await host.connect(first_addr)
-            node = await DHTNode.create(initial_peers=[first.peer_id], rpc=HostDHTTransport(host),
-                                        client_mode=client)
+            node = await DHTNode.create(
+                initial_peers=[first.peer_id], rpc=HostDHTTransport(host), client_mode=client
+            )
             return host, node
 
         for host, node in await asyncio.gather(*(join(i >= n - 1) for i in range(n - 1 + clients))):
@@ -219,13 +233,19 @@ class Swarm:
         return self
 
     def add_matchmakers(self, indices=None, prefix="test", **options) -> list[Matchmaking]:
-        options = {"schema_hash": b"s", "target_group_size": None, "min_matchmaking_time": 1.0,
-                   "request_timeout": 1.0, **options}
+        options = {
+            "schema_hash": b"s",
+            "target_group_size": None,
+            "min_matchmaking_time": 1.0,
+            "request_timeout": 1.0,
+            **options,
+        }
         created = []
         for i in range(len(self.hosts)) if indices is None else indices:
             client = self.nodes[i].client_mode
-            created.append(Matchmaking(self.hosts[i], self.nodes[i], prefix=prefix, client_mode=client,
-                                       **options))
+            created.append(
+                Matchmaking(self.hosts[i], self.nodes[i], prefix=prefix, client_mode=client, **options)
+            )
         self.matchmakers.extend(created)
         return created
 
@@ -302,8 +322,10 @@ def test_peers_starting_together_form_exactly_one_group(n):
             assert len(groups) == 1 and groups[0].group_size == n, f"expected one group of {n}, got {groups}"
             leaders = {m.last_leader for m in matchmakers}
             assert len(leaders) == 1 and leaders <= {m.peer_id for m in matchmakers}
-            print(f"\n{n} peers, no target size: one group after {max(times):.3f} s "
-                  f"(min_matchmaking_time 1.5 s)")
+            print(
+                f"\n{n} peers, no target size: one group after {max(times):.3f} s "
+                f"(min_matchmaking_time 1.5 s)"
+            )
         finally:
             await swarm.close()
 
@@ -323,8 +345,10 @@ def test_a_full_group_forms_at_once_without_waiting_out_the_clock(n):
                 groups = check_groups(matchmakers, results)
                 assert len(groups) == 1 and groups[0].group_size == n
                 samples.append(max(times))
-            print(f"\n{n} peers, target {n}: group formed in "
-                  + ", ".join(f"{t * 1000:.0f} ms" for t in samples))
+            print(
+                f"\n{n} peers, target {n}: group formed in "
+                + ", ".join(f"{t * 1000:.0f} ms" for t in samples)
+            )
             assert min(samples) < 1.0, "a full group must not wait out min_matchmaking_time (5 s)"
         finally:
             await swarm.close()
@@ -343,8 +367,10 @@ def test_when_all_peers_are_waiting_the_last_arrival_completes_the_group_at_once
             samples = []
             for _ in range(3):
                 deadline = loop.time() + 10
-                waiting = [loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline))
-                           for m in matchmakers[:-1]]
+                waiting = [
+                    loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline))
+                    for m in matchmakers[:-1]
+                ]
                 await wait_until(lambda: any(len(m._state.followers) == n - 2 for m in matchmakers), 5)
                 started, last = loop.time(), matchmakers[-1]
                 last = await last.look_for_group(gather=gather_of(last), deadline=deadline)
@@ -352,8 +378,10 @@ def test_when_all_peers_are_waiting_the_last_arrival_completes_the_group_at_once
                 samples.append(loop.time() - started)
                 groups = check_groups(matchmakers, results)
                 assert len(groups) == 1 and groups[0].group_size == n
-            print(f"\n{n} peers waiting, the last arrives: everyone has the group after "
-                  + ", ".join(f"{t * 1000:.0f} ms" for t in samples))
+            print(
+                f"\n{n} peers waiting, the last arrives: everyone has the group after "
+                + ", ".join(f"{t * 1000:.0f} ms" for t in samples)
+            )
             assert min(samples) < 0.5, "the issue's target is 0.2 s; allow for a loaded 2-core machine"
         finally:
             await swarm.close()
@@ -383,7 +411,7 @@ def test_too_few_peers_get_none_at_their_deadline():
     async def main():
         swarm = await Swarm.create(3)
         try:
-            lone, = swarm.add_matchmakers([0], prefix="lone", min_matchmaking_time=0.0, request_timeout=0.3)
+            (lone,) = swarm.add_matchmakers([0], prefix="lone", min_matchmaking_time=0.0, request_timeout=0.3)
             stores = []
             original_store = swarm.nodes[0].store
 
@@ -410,9 +438,11 @@ def test_with_alone_timeout_a_round_gives_up_when_nobody_else_looks_but_never_wh
         swarm = await Swarm.create(4)
         try:
             options = dict(min_matchmaking_time=0.5, request_timeout=0.5)
-            lone, = swarm.add_matchmakers([0], prefix="lone", **options)
+            (lone,) = swarm.add_matchmakers([0], prefix="lone", **options)
             results, times = await look([lone], timeout=20, alone_timeout=0.0)
-            assert results == [None] and lone.last_round_alone and times[0] < 10, "gave up long before the deadline"
+            assert results == [None] and lone.last_round_alone and times[0] < 10, (
+                "gave up long before the deadline"
+            )
 
             # a peer that arrives after the first one declared is waited for
             first, second = swarm.add_matchmakers([1, 2], prefix="pair", **options)
@@ -461,14 +491,19 @@ def test_rounds_with_different_tags_never_meet():
             deadline = loop.time() + 6
 
             async def one(matchmaking, tag):
-                return await matchmaking.look_for_group(gather=gather_of(matchmaking), deadline=deadline,
-                                                        round_tag=tag)
+                return await matchmaking.look_for_group(
+                    gather=gather_of(matchmaking), deadline=deadline, round_tag=tag
+                )
 
             tags = [b"epoch 1", b"epoch 2", b"epoch 1", b"epoch 2"]
             results = await asyncio.gather(*(one(m, tag) for m, tag in zip(matchmakers, tags)))
             groups = check_groups(matchmakers, results)
-            assert sorted(sorted(matchmakers.index(next(m for m in matchmakers if m.peer_id == p))
-                                 for p in group.peer_ids) for group in groups) == [[0, 2], [1, 3]]
+            assert sorted(
+                sorted(
+                    matchmakers.index(next(m for m in matchmakers if m.peer_id == p)) for p in group.peer_ids
+                )
+                for group in groups
+            ) == [[0, 2], [1, 3]]
         finally:
             await swarm.close()
 
@@ -501,8 +536,10 @@ def test_followers_of_a_dead_leader_regroup_before_their_deadline():
             matchmakers = swarm.add_matchmakers(min_matchmaking_time=2.0, request_timeout=0.5)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 8
-            tasks = [loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline))
-                     for m in matchmakers]
+            tasks = [
+                loop.create_task(m.look_for_group(gather=gather_of(m), deadline=deadline))
+                for m in matchmakers
+            ]
             await wait_until(lambda: any(len(m._state.followers) == 4 for m in matchmakers), timeout=5)
             dead = next(i for i, m in enumerate(matchmakers) if len(m._state.followers) == 4)
             tasks[dead].cancel()
@@ -556,8 +593,12 @@ def test_clock_skew_of_two_seconds_still_forms_one_group(target):
         try:
             matchmakers = []
             for i, skew in enumerate([2.0, -2.0, 0.0, 2.0]):
-                matchmakers += swarm.add_matchmakers([i], min_matchmaking_time=3.0, target_group_size=target,
-                                                     clock=lambda skew=skew: get_dht_time() + skew)
+                matchmakers += swarm.add_matchmakers(
+                    [i],
+                    min_matchmaking_time=3.0,
+                    target_group_size=target,
+                    clock=lambda skew=skew: get_dht_time() + skew,
+                )
             results, times = await look(matchmakers, timeout=10)
             groups = check_groups(matchmakers, results)
             assert len(groups) == 1 and groups[0].group_size == 4
@@ -580,18 +621,22 @@ def test_garbage_join_requests_get_refusals_and_the_leader_keeps_working():
             await wait_until(lambda: all(m._state.phase is not Phase.IDLE for m in matchmakers), timeout=5)
 
             async def ask(peer, payload):
-                return [r async for r in rpc.call_stream(intruder, peer, JOIN_PROTOCOL, payload, JoinResponse,
-                                                         timeout=5)]
+                return [
+                    r
+                    async for r in rpc.call_stream(
+                        intruder, peer, JOIN_PROTOCOL, payload, JoinResponse, timeout=5
+                    )
+                ]
 
             for target in matchmakers:
                 peer = target.peer_id
                 truncated = b"\x95\xa7test.0b\xc4\x01s\xcb" + b"\x00" * 3
                 for garbage in [b"", b"\xc1", b"\x93\x01\x02\x03", truncated]:
-                    answer, = await ask(peer, garbage)
+                    (answer,) = await ask(peer, garbage)
                     assert answer.join_code is JoinCode.PROTOCOL_VIOLATION, (garbage, answer)
-                answer, = await ask(peer, request(schema=b"wrong").encode())
+                (answer,) = await ask(peer, request(schema=b"wrong").encode())
                 assert answer.join_code is JoinCode.BAD_SCHEMA_HASH
-                answer, = await ask(peer, request(key="other.0b").encode())
+                (answer,) = await ask(peer, request(key="other.0b").encode())
                 assert answer.join_code is JoinCode.BAD_GROUP_KEY and "no averager" in answer.reason
                 with pytest.raises(rpc.RPCError, match="exceeds"):
                     await ask(peer, b"\x00" * (MAX_JOIN_REQUEST_SIZE + 1))
@@ -612,8 +657,9 @@ def test_one_host_serves_several_prefixes():
             first = swarm.add_matchmakers(prefix="alpha", target_group_size=3, min_matchmaking_time=3.0)
             second = swarm.add_matchmakers(prefix="beta", target_group_size=3, min_matchmaking_time=3.0)
             with pytest.raises(ValueError, match="already runs matchmaking"):
-                Matchmaking(swarm.hosts[0], swarm.nodes[0], prefix="alpha", schema_hash=b"",
-                            target_group_size=2)
+                Matchmaking(
+                    swarm.hosts[0], swarm.nodes[0], prefix="alpha", schema_hash=b"", target_group_size=2
+                )
             (a, _), (b, _) = await asyncio.gather(look(first, timeout=10), look(second, timeout=10))
             assert len(check_groups(first, a)) == 1 and len(check_groups(second, b)) == 1
             assert a[0].group_id != b[0].group_id

@@ -51,8 +51,18 @@ class Node(Message):
 
 def outer(**changes) -> list:
     """A valid Outer as msgpack would decode it, with some fields replaced."""
-    fields = dict(flag=True, ratio=0.5, name="n", blob=b"b", inners=[[1, "x"], [2]], pair=[1, "p"],
-                  table={"k": [1, 2]}, anything={"free": [None]}, maybe=None, numbers=[3])
+    fields = dict(
+        flag=True,
+        ratio=0.5,
+        name="n",
+        blob=b"b",
+        inners=[[1, "x"], [2]],
+        pair=[1, "p"],
+        table={"k": [1, 2]},
+        anything={"free": [None]},
+        maybe=None,
+        numbers=[3],
+    )
     fields.update(changes)
     return list(fields.values())
 
@@ -62,8 +72,18 @@ def decode(cls, raw):
 
 
 def test_round_trip_gives_the_declared_types():
-    message = Outer(False, 2.5, "name", b"\x00", (Inner(1, "x"), Inner(0)), (7, "seven"), {"k": [1]},
-                    [1, {"x": b"y"}], Inner(3), [4, 5])
+    message = Outer(
+        False,
+        2.5,
+        "name",
+        b"\x00",
+        (Inner(1, "x"), Inner(0)),
+        (7, "seven"),
+        {"k": [1]},
+        [1, {"x": b"y"}],
+        Inner(3),
+        [4, 5],
+    )
     assert Outer.decode(message.encode()) == message
     got = decode(Outer, outer(ratio=1))
     assert got.ratio == 1.0 and type(got.ratio) is float  # an int is a valid float...
@@ -81,23 +101,26 @@ def test_trailing_fields_with_defaults_may_be_missing_and_no_more_fields_may_com
         decode(Outer, {"flag": True})
 
 
-@pytest.mark.parametrize("changes, error", [
-    (dict(flag=1), "Outer.flag: expected bool, got int"),
-    (dict(ratio=True), "Outer.ratio: expected float, got bool"),
-    (dict(name=b"n"), "Outer.name: expected str, got bytes"),
-    (dict(inners=[[1], [True]]), "Outer.inners[1].a: expected int, got bool"),
-    (dict(inners=[[1], [-1]]), "Outer.inners[1]: a must be >= 0"),
-    (dict(inners=[[1], [1, 2]]), "Outer.inners[1].b: expected str, got int"),
-    (dict(inners=[[1, "x", 3]]), "Outer.inners[0]: expected 2 fields of Inner"),
-    (dict(inners={"a": 1}), "Outer.inners: expected a list, got dict"),
-    (dict(pair=[1, "p", 2]), "Outer.pair: expected 2 items, got 3"),
-    (dict(pair=[1, 2]), "Outer.pair[1]: expected str, got int"),
-    (dict(table=[1]), "Outer.table: expected a map, got list"),
-    (dict(table={1: [1]}), "Outer.table key: expected str, got int"),
-    (dict(table={"k": [1, "2"]}), "Outer.table['k'][1]: expected int, got str"),
-    (dict(maybe=[False]), "Outer.maybe.a: expected int, got bool"),  # X | None reports X's own error
-    (dict(numbers=[1, None]), "Outer.numbers[1]: expected int, got NoneType"),
-])
+@pytest.mark.parametrize(
+    "changes, error",
+    [
+        (dict(flag=1), "Outer.flag: expected bool, got int"),
+        (dict(ratio=True), "Outer.ratio: expected float, got bool"),
+        (dict(name=b"n"), "Outer.name: expected str, got bytes"),
+        (dict(inners=[[1], [True]]), "Outer.inners[1].a: expected int, got bool"),
+        (dict(inners=[[1], [-1]]), "Outer.inners[1]: a must be >= 0"),
+        (dict(inners=[[1], [1, 2]]), "Outer.inners[1].b: expected str, got int"),
+        (dict(inners=[[1, "x", 3]]), "Outer.inners[0]: expected 2 fields of Inner"),
+        (dict(inners={"a": 1}), "Outer.inners: expected a list, got dict"),
+        (dict(pair=[1, "p", 2]), "Outer.pair: expected 2 items, got 3"),
+        (dict(pair=[1, 2]), "Outer.pair[1]: expected str, got int"),
+        (dict(table=[1]), "Outer.table: expected a map, got list"),
+        (dict(table={1: [1]}), "Outer.table key: expected str, got int"),
+        (dict(table={"k": [1, "2"]}), "Outer.table['k'][1]: expected int, got str"),
+        (dict(maybe=[False]), "Outer.maybe.a: expected int, got bool"),  # X | None reports X's own error
+        (dict(numbers=[1, None]), "Outer.numbers[1]: expected int, got NoneType"),
+    ],
+)
 def test_errors_name_the_field_and_the_problem(changes, error):
     with pytest.raises(MessageError) as caught:
         decode(Outer, outer(**changes))

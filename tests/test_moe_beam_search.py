@@ -29,7 +29,7 @@ def run(search: BeamSearch, table, grid_size):
     while not search.done:
         answers = {}
         for prefix in search.wanted():
-            depth = prefix[len(search.prefix):].count(".")
+            depth = prefix[len(search.prefix) :].count(".")
             grid = grid_size[depth] if depth < len(grid_size) else None
             answers[prefix] = parse_successors(prefix, table.get(prefix), grid)
         search.feed(answers)
@@ -39,6 +39,7 @@ def run(search: BeamSearch, table, grid_size):
 def brute_force(uids, scores, k):
     def score(uid):
         return sum(s[int(c)] for s, c in zip(scores, uid.split(".")[1:]))
+
     return sorted(uids, key=lambda uid: (-score(uid), uid))[:k]
 
 
@@ -94,7 +95,7 @@ def test_no_experts_at_all_ends_empty():
 
 
 def test_parse_successors_keeps_only_well_formed_entries():
-    good = (("ffn.3.1", PEER.to_base58()))
+    good = ("ffn.3.1", PEER.to_base58())
     value = {
         1: ValueWithExpiration(good, 1e12),
         2: ValueWithExpiration(("other.3.2", PEER.to_base58()), 1e12),  # filed under the wrong prefix

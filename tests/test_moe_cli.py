@@ -26,13 +26,23 @@ def parse(argv):
 
 @pytest.mark.timeout(10)
 def test_flags_take_real_lists_and_config_files(tmp_path):
-    args = parse(["--host_maddrs", "/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2", "--expert_uids", "a.0", "a.1"])
+    args = parse(
+        ["--host_maddrs", "/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2", "--expert_uids", "a.0", "a.1"]
+    )
     assert args.host_maddrs == ["/ip4/127.0.0.1/tcp/1", "/ip4/127.0.0.1/tcp/2"]
     assert args.expert_uids == ["a.0", "a.1"] and args.initial_peers == [] and args.expert_cls == "ffn"
     assert args.hidden_dim == 1024 and args.max_batch_size == 16384 and args.update_period == 30.0
     config = tmp_path / "server.json"
-    config.write_text(json.dumps({"expert_pattern": "ffn.[0:4]", "num_experts": 2, "hidden_dim": 64,
-                                  "announce_maddrs": ["/ip4/1.2.3.4/tcp/5"]}))
+    config.write_text(
+        json.dumps(
+            {
+                "expert_pattern": "ffn.[0:4]",
+                "num_experts": 2,
+                "hidden_dim": 64,
+                "announce_maddrs": ["/ip4/1.2.3.4/tcp/5"],
+            }
+        )
+    )
     args = parse(["-c", str(config), "--hidden_dim", "32"])
     assert (args.expert_pattern, args.num_experts, args.hidden_dim) == ("ffn.[0:4]", 2, 32)
     assert args.announce_maddrs == ["/ip4/1.2.3.4/tcp/5"]
@@ -44,9 +54,26 @@ def test_flags_take_real_lists_and_config_files(tmp_path):
 @pytest.mark.timeout(60)
 def test_server_process_announces_serves_checkpoints_and_stops_on_ctrl_c(tmp_path):
     process = subprocess.Popen(
-        [sys.executable, "-m", "plexus.cli.main", "server", "--expert_uids", "cli.0", "cli.1", "--hidden_dim", "8",
-         "--host_maddrs", LOCAL, "--checkpoint_dir", str(tmp_path), "--optimizer", "sgd"],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "plexus.cli.main",
+            "server",
+            "--expert_uids",
+            "cli.0",
+            "cli.1",
+            "--hidden_dim",
+            "8",
+            "--host_maddrs",
+            LOCAL,
+            "--checkpoint_dir",
+            str(tmp_path),
+            "--optimizer",
+            "sgd",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         while not lines or "--initial_peers" not in lines[-1]:
@@ -63,7 +90,9 @@ def test_server_process_announces_serves_checkpoints_and_stops_on_ctrl_c(tmp_pat
             assert x.grad is not None and torch.isfinite(x.grad).all()
         process.send_signal(signal.SIGINT)
         assert process.wait(20) == 0
-        assert (tmp_path / "cli.0" / "checkpoint_last.pt").exists(), "the last checkpoint is saved on the way out"
+        assert (tmp_path / "cli.0" / "checkpoint_last.pt").exists(), (
+            "the last checkpoint is saved on the way out"
+        )
     finally:
         if process.poll() is None:
             process.kill()

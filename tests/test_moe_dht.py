@@ -22,8 +22,9 @@ GRID = (3, 4)
 def grid_server():
     """One server with the full 3x4 grid of small ffn experts, in a DHT of its own."""
     uids = [f"grid.{i}.{j}" for i, j in itertools.product(*map(range, GRID))]
-    server = Server.create(expert_uids=uids, hidden_dim=8, optim_cls=None, start=True, host_maddrs=LOCAL,
-                           device="cpu")  # compared with the local module on CPU inputs
+    server = Server.create(
+        expert_uids=uids, hidden_dim=8, optim_cls=None, start=True, host_maddrs=LOCAL, device="cpu"
+    )  # compared with the local module on CPU inputs
     yield server
     server.shutdown()
 
@@ -48,14 +49,24 @@ def test_get_experts_and_call_one_by_peer_id_alone(grid_server, client):
 
 def test_a_peer_routes_to_a_server_it_knows_by_id_only():
     """Peer routing: clients that joined before the server existed reach it from (uid, peer id) alone."""
-    with DHT(start=True, host_maddrs=LOCAL) as bootstrap, \
-            DHT(initial_peers=bootstrap.get_visible_maddrs(), start=True, client_mode=True) as first, \
-            DHT(initial_peers=bootstrap.get_visible_maddrs(), start=True, client_mode=True) as second:
-        server = Server.create(expert_uids=["routed.0"], hidden_dim=4, optim_cls=None, start=True,
-                               initial_peers=bootstrap.get_visible_maddrs(), host_maddrs=LOCAL)
+    with (
+        DHT(start=True, host_maddrs=LOCAL) as bootstrap,
+        DHT(initial_peers=bootstrap.get_visible_maddrs(), start=True, client_mode=True) as first,
+        DHT(initial_peers=bootstrap.get_visible_maddrs(), start=True, client_mode=True) as second,
+    ):
+        server = Server.create(
+            expert_uids=["routed.0"],
+            hidden_dim=4,
+            optim_cls=None,
+            start=True,
+            initial_peers=bootstrap.get_visible_maddrs(),
+            host_maddrs=LOCAL,
+        )
         try:
             for client in (first, second):
-                assert client.host.peer_info(server.host.peer_id) is None, "the client must not know the address"
+                assert client.host.peer_info(server.host.peer_id) is None, (
+                    "the client must not know the address"
+                )
             # the host's own peer routing (a DHT lookup from inside the dial; see learn_addresses)
             expert = RemoteExpert(ExpertInfo("routed.0", server.host.peer_id), first.host)
             assert expert(torch.ones(1, 4)).shape == (1, 4)
@@ -75,14 +86,17 @@ def test_beam_search_through_the_dht_matches_brute_force(grid_server, client):
     batch = [[[rng.gauss(0, 1) for _ in range(size)] for size in GRID] for _ in range(16)]
     found = searcher.batch_find_best_experts(batch, 3)
     for scores, experts in zip(batch, found):
-        ranked = sorted(grid_server.module_backends, key=lambda uid: -sum(
-            s[int(c)] for s, c in zip(scores, uid.split(".")[1:])))
+        ranked = sorted(
+            grid_server.module_backends,
+            key=lambda uid: -sum(s[int(c)] for s, c in zip(scores, uid.split(".")[1:])),
+        )
         assert [e.uid for e in experts] == ranked[:3]
         assert all(e.peer_id == grid_server.host.peer_id for e in experts)
     # hivemind's layout of the arguments: one [batch, size] array per dimension
     per_dim = [torch.tensor([sample[d] for sample in batch]) for d in range(len(GRID))]
-    assert [[e.uid for e in experts] for experts in searcher.batch_find_best_experts(per_dim, 3)] == \
-        [[e.uid for e in experts] for experts in found]
+    assert [[e.uid for e in experts] for experts in searcher.batch_find_best_experts(per_dim, 3)] == [
+        [e.uid for e in experts] for experts in found
+    ]
 
 
 def test_empty_prefixes_are_cached_negatively(grid_server, client):
@@ -101,12 +115,21 @@ def test_empty_prefixes_are_cached_negatively(grid_server, client):
     assert grid_server.dht.store("flat.1.", None, get_dht_time() + 60, subkey=EMPTY_PREFIX_SUBKEY)
     assert all(declare_experts(grid_server.dht, ["flat.1"], get_dht_time() + 60).values())
     with DHT(initial_peers=grid_server.dht.get_visible_maddrs(), start=True, client_mode=True) as other:
-        assert [e.uid for e in MoEBeamSearcher(other, "flat", (3,)).find_best_experts([[0, 1, 0]], 1)] == ["flat.1"]
+        assert [e.uid for e in MoEBeamSearcher(other, "flat", (3,)).find_best_experts([[0, 1, 0]], 1)] == [
+            "flat.1"
+        ]
 
 
 def test_server_reannounces_every_update_period():
-    with Server.create(expert_uids=["renew.0"], hidden_dim=4, optim_cls=None, start=True, host_maddrs=LOCAL,
-                       update_period=0.2, expiration=2) as server:
+    with Server.create(
+        expert_uids=["renew.0"],
+        hidden_dim=4,
+        optim_cls=None,
+        start=True,
+        host_maddrs=LOCAL,
+        update_period=0.2,
+        expiration=2,
+    ) as server:
         first = server.dht.get("renew.0", latest=True).expiration_time
         deadline = time.monotonic() + 10
         while server.dht.get("renew.0", latest=True).expiration_time <= first:
@@ -116,16 +139,36 @@ def test_server_reannounces_every_update_period():
 
 def test_create_skips_uids_that_other_servers_announce(grid_server):
     initial = grid_server.dht.get_visible_maddrs()
-    first = Server.create(expert_uids=["dedup.0.0", "dedup.0.1", "dedup.1.1"], hidden_dim=4, optim_cls=None,
-                          start=True, initial_peers=initial, host_maddrs=LOCAL)
+    first = Server.create(
+        expert_uids=["dedup.0.0", "dedup.0.1", "dedup.1.1"],
+        hidden_dim=4,
+        optim_cls=None,
+        start=True,
+        initial_peers=initial,
+        host_maddrs=LOCAL,
+    )
     try:
         for seed in range(3):
-            second = Server.create(num_experts=1, expert_pattern="dedup.[0:2].[0:2]", hidden_dim=4, optim_cls=None,
-                                   start=False, initial_peers=initial, host_maddrs=LOCAL, rng=random.Random(seed))
+            second = Server.create(
+                num_experts=1,
+                expert_pattern="dedup.[0:2].[0:2]",
+                hidden_dim=4,
+                optim_cls=None,
+                start=False,
+                initial_peers=initial,
+                host_maddrs=LOCAL,
+                rng=random.Random(seed),
+            )
             assert list(second.module_backends) == ["dedup.1.0"]
             second.shutdown()
         with pytest.raises(ValueError, match="no other server announces"):
-            Server.create(num_experts=2, expert_pattern="dedup.[0:2].[0:2]", hidden_dim=4, start=False,
-                          initial_peers=initial, host_maddrs=LOCAL)
+            Server.create(
+                num_experts=2,
+                expert_pattern="dedup.[0:2].[0:2]",
+                hidden_dim=4,
+                start=False,
+                initial_peers=initial,
+                host_maddrs=LOCAL,
+            )
     finally:
         first.shutdown()

@@ -56,8 +56,15 @@ def check_same_as_local(expert: RemoteExpert, local: nn.Module, inputs, atol=1e-
 def test_gradients_match_the_local_module_and_the_server_learns(expert_cls, hidden_dim, client):
     torch.manual_seed(0)
     uid = f"{expert_cls}.0"
-    server = Server.create(expert_uids=[uid], expert_cls=expert_cls, hidden_dim=hidden_dim, device="cpu",
-                           optim_cls=lambda params: torch.optim.SGD(params, lr=0.1), start=True, host_maddrs=LOCAL)
+    server = Server.create(
+        expert_uids=[uid],
+        expert_cls=expert_cls,
+        hidden_dim=hidden_dim,
+        device="cpu",
+        optim_cls=lambda params: torch.optim.SGD(params, lr=0.1),
+        start=True,
+        host_maddrs=LOCAL,
+    )
     try:
         backend = server.module_backends[uid]
         no_dropout(backend.module)
@@ -94,9 +101,13 @@ def test_keyword_inputs_tuple_outputs_and_the_dummy_trick(client):
     loop = get_background_loop()
     host = loop.run(Host(host_maddrs=LOCAL).start(), 10)
     module = ScaleAndCount()
-    backend = ModuleBackend("scale.0", module, optimizer=torch.optim.SGD(module.parameters(), lr=1.0),
-                            args_schema=(BatchTensorDescriptor((3,), requires_grad=True),),
-                            kwargs_schema={"bias": BatchTensorDescriptor((3,), requires_grad=True)})
+    backend = ModuleBackend(
+        "scale.0",
+        module,
+        optimizer=torch.optim.SGD(module.parameters(), lr=1.0),
+        args_schema=(BatchTensorDescriptor((3,), requires_grad=True),),
+        kwargs_schema={"bias": BatchTensorDescriptor((3,), requires_grad=True)},
+    )
     assert backend.outputs_schema[1].dtype == "int64" and backend.outputs_tuple
     try:
         with Server(host, {"scale.0": backend}):
@@ -133,8 +144,14 @@ def test_large_tensors_stream_in_chunks(client, monkeypatch):
         return original(host, peer, protocol, *args, **kwargs)
 
     monkeypatch.setattr(rpc, "call_stream", counting_call_stream)
-    server = Server.create(expert_uids=["nop.0"], expert_cls="nop", hidden_dim=1024, optim_cls=None, start=True,
-                           host_maddrs=LOCAL)
+    server = Server.create(
+        expert_uids=["nop.0"],
+        expert_cls="nop",
+        hidden_dim=1024,
+        optim_cls=None,
+        start=True,
+        host_maddrs=LOCAL,
+    )
     try:
         expert = remote(client, server, "nop.0")
         x = torch.randn(900, 1024, requires_grad=True)  # 3.7 MB: over the unary limit both ways
@@ -148,8 +165,15 @@ def test_large_tensors_stream_in_chunks(client, monkeypatch):
 
 
 def test_compressed_activations(client):
-    server = Server.create(expert_uids=["ffn.0"], hidden_dim=16, optim_cls=None, start=True, host_maddrs=LOCAL,
-                           compression=CompressionType.FLOAT16, device="cpu")  # compared with a CPU input below
+    server = Server.create(
+        expert_uids=["ffn.0"],
+        hidden_dim=16,
+        optim_cls=None,
+        start=True,
+        host_maddrs=LOCAL,
+        compression=CompressionType.FLOAT16,
+        device="cpu",
+    )  # compared with a CPU input below
     try:
         expert = remote(client, server, "ffn.0")
         assert expert.schema.args_schema[0].compression == CompressionType.FLOAT16
@@ -171,8 +195,14 @@ def test_unknown_expert_fails_on_first_use_with_the_servers_words(client):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_server_on_cuda_matches_the_local_module(client):
-    server = Server.create(expert_uids=["ffn.0"], hidden_dim=16, device="cuda",
-                           optim_cls=lambda params: torch.optim.SGD(params, lr=0.1), start=True, host_maddrs=LOCAL)
+    server = Server.create(
+        expert_uids=["ffn.0"],
+        hidden_dim=16,
+        device="cuda",
+        optim_cls=lambda params: torch.optim.SGD(params, lr=0.1),
+        start=True,
+        host_maddrs=LOCAL,
+    )
     try:
         backend = server.module_backends["ffn.0"]
         assert backend.device.type == "cuda"

@@ -247,6 +247,7 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
         async def requests():
             for message in messages:
                 yield message
+
         responses = rpc.call_stream(client, peer, protocol, requests(), ExpertResponse, timeout=10)
         return [response async for response in responses]
 
@@ -256,8 +257,10 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
         ([ExpertRequest("slow.9", good)], "no expert 'slow.9'"),
         ([ExpertRequest("slow.0", [b"\x96\xc4\x01x"])], "malformed tensor stream"),
         ([ExpertRequest("slow.0", chunks(torch.randn(9, HIDDEN)))], "more than max_batch_size=8"),
-        ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN).double()))],
-         "dtype float64, expected float32"),
+        (
+            [ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN).double()))],
+            "dtype float64, expected float32",
+        ),
         ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN + 1)))], r"input 0 has shape \(2, 5\)"),
         ([ExpertRequest("slow.0", chunks(torch.randn(2, HIDDEN)) * 3)], f"takes {expected} tensors"),
         ([ExpertRequest("slow.0", good[:1])], "malformed tensor stream"),  # a header whose data never comes
@@ -268,10 +271,14 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
     if backward:
         cases += [
             ([ExpertRequest("slow.0", chunks(x))], "takes 2 tensors for backward, got 1"),
-            ([ExpertRequest("slow.0", [*chunks(x), *chunks(torch.randn(3, HIDDEN))])],
-             "output gradient 0 has 3 rows, but the first tensor has 2"),
-            ([ExpertRequest("slow.0", [*chunks(x), *chunks(grad.to(torch.int64))])],
-             "output gradient 0 has dtype int64"),
+            (
+                [ExpertRequest("slow.0", [*chunks(x), *chunks(torch.randn(3, HIDDEN))])],
+                "output gradient 0 has 3 rows, but the first tensor has 2",
+            ),
+            (
+                [ExpertRequest("slow.0", [*chunks(x), *chunks(grad.to(torch.int64))])],
+                "output gradient 0 has dtype int64",
+            ),
         ]
     expert = ExpertInfo("slow.0", peer)
     schema = server.module_backends["slow.0"].schema
@@ -288,8 +295,17 @@ def test_streams_refuse_garbage_oversized_and_wrong_inputs_and_keep_serving(serv
             assert loop.run(expert_forward(client, expert, schema, [x]), 15)[0].shape == (2, HIDDEN)
         # a frame over the RPC limit gets an error or is dropped; the server serves on
         with pytest.raises((rpc.RPCError, TimeoutError)):
-            loop.run(rpc.call(client, peer, FORWARD_PROTOCOL, ExpertRequest("slow.0", [b"x" * (5 << 20)]),
-                              ExpertResponse, timeout=2), 15)
+            loop.run(
+                rpc.call(
+                    client,
+                    peer,
+                    FORWARD_PROTOCOL,
+                    ExpertRequest("slow.0", [b"x" * (5 << 20)]),
+                    ExpertResponse,
+                    timeout=2,
+                ),
+                15,
+            )
         assert loop.run(expert_forward(client, expert, schema, [x]), 15)[0].shape == (2, HIDDEN)
     finally:
         loop.run(client.shutdown(), 10)

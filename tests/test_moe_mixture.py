@@ -52,23 +52,37 @@ def run_quorum(outcomes, rows, num_samples, k_min, after=None, deadline_in=5.0):
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome
+
         return call
 
     async def main():
-        return await call_with_quorum([make(i, o) for i, o in enumerate(outcomes)], rows, num_samples, k_min,
-                                      after, time.monotonic() + deadline_in, lambda i: f"call {i}", "forward")
+        return await call_with_quorum(
+            [make(i, o) for i, o in enumerate(outcomes)],
+            rows,
+            num_samples,
+            k_min,
+            after,
+            time.monotonic() + deadline_in,
+            lambda i: f"call {i}",
+            "forward",
+        )
+
     begin = time.monotonic()
     result = asyncio.run(main())
     return result, time.monotonic() - begin
 
 
 def test_stragglers_are_cancelled_once_k_min_answered_and_timeout_after_k_min_passed():
-    result, elapsed = run_quorum(["a", None, "c"], rows=[[0], [0, 1], [1]], num_samples=2, k_min=1, after=0.05)
+    result, elapsed = run_quorum(
+        ["a", None, "c"], rows=[[0], [0, 1], [1]], num_samples=2, k_min=1, after=0.05
+    )
     assert result == {0: "a", 2: "c"} and elapsed < 4
 
 
 def test_too_few_answers_fail_early_and_name_the_failures():
-    with pytest.raises(TooFewExpertsError, match=r"forward: 1 of 2 samples.*call 1: ConnectionRefusedError: gone"):
+    with pytest.raises(
+        TooFewExpertsError, match=r"forward: 1 of 2 samples.*call 1: ConnectionRefusedError: gone"
+    ):
         run_quorum(["a", ConnectionRefusedError("gone"), None], rows=[[0], [1], [0]], num_samples=2, k_min=1)
     with pytest.raises(TimeoutError, match="unanswered at the deadline"):
         run_quorum([None], rows=[[0]], num_samples=1, k_min=1, deadline_in=0.1)
@@ -88,8 +102,10 @@ def start_server(modules: dict, initial_peers=()) -> Server:
     """A server of the given modules (no optimizer: they stay equal to the local copies)."""
     dht = DHT(initial_peers=initial_peers, start=True, host_maddrs=LOCAL)
     descriptor = BatchTensorDescriptor((HIDDEN,), requires_grad=True)
-    backends = {uid: ModuleBackend(uid, module, args_schema=(descriptor,), outputs_schema=descriptor)
-                for uid, module in modules.items()}
+    backends = {
+        uid: ModuleBackend(uid, module, args_schema=(descriptor,), outputs_schema=descriptor)
+        for uid, module in modules.items()
+    }
     server = Server(dht, backends, start=True)
     server._owns_dht = True
     return server
@@ -100,8 +116,9 @@ def swarm():
     """Grid 'mix' (2 x 3) split over two servers: row 0 on `alive`, row 1 on `doomed` (tests may kill it)."""
     modules = {f"mix.{i}.{j}": ffn(3 * i + j) for i, j in itertools.product(range(2), range(3))}
     alive = start_server({uid: m for uid, m in modules.items() if uid.startswith("mix.0.")})
-    doomed = start_server({uid: m for uid, m in modules.items() if uid.startswith("mix.1.")},
-                          alive.dht.get_visible_maddrs())
+    doomed = start_server(
+        {uid: m for uid, m in modules.items() if uid.startswith("mix.1.")}, alive.dht.get_visible_maddrs()
+    )
     client = DHT(initial_peers=alive.dht.get_visible_maddrs(), start=True, client_mode=True)
     yield dict(modules=modules, alive=alive, doomed=doomed, client=client)
     client.shutdown()
@@ -114,12 +131,14 @@ def local_mixture(moe, x, modules, usable):
     scores = moe.proj(x).split(moe.grid_size, dim=-1)
     outputs = []
     for b in range(x.shape[0]):
+
         def score(uid):
             return sum(s[b, int(c)] for s, c in zip(scores, uid.split(".")[1:]))
-        ranked = sorted(modules, key=lambda uid: -float(score(uid).detach()))[:moe.k_best]
+
+        ranked = sorted(modules, key=lambda uid: -float(score(uid).detach()))[: moe.k_best]
         chosen = [uid for uid in ranked if uid in usable]
         weights = torch.softmax(torch.stack([score(uid) for uid in chosen]), dim=0)
-        outputs.append(sum(w * modules[uid](x[b:b + 1])[0] for w, uid in zip(weights, chosen)))
+        outputs.append(sum(w * modules[uid](x[b : b + 1])[0] for w, uid in zip(weights, chosen)))
     return torch.stack(outputs)
 
 
@@ -140,8 +159,15 @@ def compare_with_local(moe, modules, usable, seed):
 
 
 def test_mixture_outputs_and_gradients_equal_the_same_modules_run_locally(swarm):
-    moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=swarm["client"], uid_prefix="mix",
-                                 k_best=3, forward_timeout=10, backward_timeout=10)
+    moe = RemoteMixtureOfExperts(
+        in_features=HIDDEN,
+        grid_size=(2, 3),
+        dht=swarm["client"],
+        uid_prefix="mix",
+        k_best=3,
+        forward_timeout=10,
+        backward_timeout=10,
+    )
     compare_with_local(moe, swarm["modules"], set(swarm["modules"]), seed=0)
     assert moe.info["outputs_schema"].shape == (HIDDEN,)
 
@@ -149,9 +175,16 @@ def test_mixture_outputs_and_gradients_equal_the_same_modules_run_locally(swarm)
 def test_forward_timeout_covers_the_beam_search(swarm, monkeypatch):
     async def stuck(self, node, prefixes):
         await asyncio.Event().wait()
+
     monkeypatch.setattr(MoEBeamSearcher, "fetch_successors", stuck)
-    moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=swarm["client"], uid_prefix="mix",
-                                 k_best=2, forward_timeout=0.3)
+    moe = RemoteMixtureOfExperts(
+        in_features=HIDDEN,
+        grid_size=(2, 3),
+        dht=swarm["client"],
+        uid_prefix="mix",
+        k_best=2,
+        forward_timeout=0.3,
+    )
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="forward_timeout of 0.3 s passed during beam search"):
         moe(torch.randn(2, HIDDEN))
@@ -159,18 +192,29 @@ def test_forward_timeout_covers_the_beam_search(swarm, monkeypatch):
 
 
 def test_anomalies_misshapen_inputs_and_empty_grids_are_refused_before_sending(swarm):
-    moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=swarm["client"], uid_prefix="mix",
-                                 k_best=2, detect_anomalies=True)
+    moe = RemoteMixtureOfExperts(
+        in_features=HIDDEN,
+        grid_size=(2, 3),
+        dht=swarm["client"],
+        uid_prefix="mix",
+        k_best=2,
+        detect_anomalies=True,
+    )
     x = torch.randn(2, HIDDEN)
     x[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         moe(x)
-    sparse = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(3, 3), dht=swarm["client"], uid_prefix="nobody",
-                                    k_best=2)
+    sparse = RemoteMixtureOfExperts(
+        in_features=HIDDEN, grid_size=(3, 3), dht=swarm["client"], uid_prefix="nobody", k_best=2
+    )
     with pytest.raises(TooFewExpertsError, match="beam search found only 0 experts under 'nobody.'"):
         sparse(torch.randn(2, HIDDEN))
-    with pytest.raises(ValueError, match=r"input 0 of the mixture has shape \(2, 3, 8\), expected \(batch, 8\)"):
-        moe(torch.randn(2, 3, HIDDEN))  # the gate would average the middle dimension, but these experts refuse it
+    with pytest.raises(
+        ValueError, match=r"input 0 of the mixture has shape \(2, 3, 8\), expected \(batch, 8\)"
+    ):
+        moe(
+            torch.randn(2, 3, HIDDEN)
+        )  # the gate would average the middle dimension, but these experts refuse it
 
 
 def test_slow_experts_are_left_behind_after_timeout_after_k_min(swarm):
@@ -184,8 +228,16 @@ def test_slow_experts_are_left_behind_after_timeout_after_k_min(swarm):
     slow = start_server({"lag.0.1": Blocked()}, swarm["alive"].dht.get_visible_maddrs())
     fast = start_server({"lag.0.0": nn.Identity()}, swarm["alive"].dht.get_visible_maddrs())
     try:
-        moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(1, 2), dht=swarm["client"], uid_prefix="lag",
-                                     k_best=2, k_min=1, timeout_after_k_min=0.1, forward_timeout=15)
+        moe = RemoteMixtureOfExperts(
+            in_features=HIDDEN,
+            grid_size=(1, 2),
+            dht=swarm["client"],
+            uid_prefix="lag",
+            k_best=2,
+            k_min=1,
+            timeout_after_k_min=0.1,
+            forward_timeout=15,
+        )
         x = torch.randn(3, HIDDEN)
         started = time.monotonic()
         torch.testing.assert_close(moe(x), x)  # only the identity answered, with all the weight
@@ -202,12 +254,20 @@ def test_slow_experts_are_left_behind_after_timeout_after_k_min(swarm):
 
 
 def test_switch_mixture_routes_balances_and_keeps_the_residual(swarm):
-    moe = RemoteSwitchMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=swarm["client"], uid_prefix="mix",
-                                       forward_timeout=10, jitter_eps=0.0)
+    moe = RemoteSwitchMixtureOfExperts(
+        in_features=HIDDEN,
+        grid_size=(2, 3),
+        dht=swarm["client"],
+        uid_prefix="mix",
+        forward_timeout=10,
+        jitter_eps=0.0,
+    )
     x = torch.randn(6, HIDDEN, requires_grad=True)
     moe.eval()
     _, balancing_loss = moe(x)
-    assert float(balancing_loss.detach()) == pytest.approx(2.0, abs=1e-4), "uniform utilisation gives 1 per dimension"
+    assert float(balancing_loss.detach()) == pytest.approx(2.0, abs=1e-4), (
+        "uniform utilisation gives 1 per dimension"
+    )
     moe.train()
     output, balancing_loss = moe(x)
     assert output.shape == x.shape and torch.isfinite(output).all() and float(balancing_loss.detach()) > 2.0
@@ -227,8 +287,16 @@ def test_switch_mixture_routes_balances_and_keeps_the_residual(swarm):
 def test_mixture_survives_dead_experts_down_to_k_min_and_fails_clearly_below(swarm):
     """Runs last: it kills the `doomed` server (its announcements outlive it, so calls to it fail)."""
     client, modules = swarm["client"], swarm["modules"]
-    moe = RemoteMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=client, uid_prefix="mix", k_best=6,
-                                 k_min=1, forward_timeout=10, backward_timeout=10)
+    moe = RemoteMixtureOfExperts(
+        in_features=HIDDEN,
+        grid_size=(2, 3),
+        dht=client,
+        uid_prefix="mix",
+        k_best=6,
+        k_min=1,
+        forward_timeout=10,
+        backward_timeout=10,
+    )
     x = torch.randn(4, HIDDEN, requires_grad=True)
     before = moe(x)  # everyone alive for the forward pass ...
     swarm["doomed"].shutdown()
@@ -244,8 +312,9 @@ def test_mixture_survives_dead_experts_down_to_k_min_and_fails_clearly_below(swa
         moe(x)
     assert time.monotonic() - started < 8, "a certain failure must not wait for forward_timeout"
 
-    switch = RemoteSwitchMixtureOfExperts(in_features=HIDDEN, grid_size=(2, 3), dht=client, uid_prefix="mix",
-                                          forward_timeout=10)
+    switch = RemoteSwitchMixtureOfExperts(
+        in_features=HIDDEN, grid_size=(2, 3), dht=client, uid_prefix="mix", forward_timeout=10
+    )
     switch.eval()
     with torch.no_grad():  # route every sample to row 0 once (the layer learns the experts' schema) ...
         switch.proj.weight.zero_()

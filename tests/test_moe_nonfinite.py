@@ -33,12 +33,17 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("poison", ["grad_outputs", "inputs", "few_elements"])
-def test_a_nonfinite_backward_is_refused_and_the_expert_unchanged(client, poison, caplog,  # noqa: F811
-                                                                   monkeypatch):
+def test_a_nonfinite_backward_is_refused_and_the_expert_unchanged(
+    client,
+    poison,
+    caplog,  # noqa: F811
+    monkeypatch,
+):
     monkeypatch.setattr(handler, "_refusals", RateLimitedLog(handler.logger))  # a fresh once-a-minute log
     caplog.set_level(logging.WARNING, logger="plexus.moe")
-    server = Server.create(expert_uids=["ffn.0"], hidden_dim=8, optim_cls=SGD, start=True, host_maddrs=LOCAL,
-                           device="cpu")
+    server = Server.create(
+        expert_uids=["ffn.0"], hidden_dim=8, optim_cls=SGD, start=True, host_maddrs=LOCAL, device="cpu"
+    )
     try:
         expert = remote(client, server, "ffn.0")
         before = parameters_of(server, "ffn.0")
@@ -50,8 +55,9 @@ def test_a_nonfinite_backward_is_refused_and_the_expert_unchanged(client, poison
         else:  # the inputs the backward reruns the forward on
             inputs[0][1, 3] = float("nan")
         with pytest.raises(rpc.RPCError, match="NaN or inf; the request was refused"):
-            get_background_loop().run(expert_backward(client, expert.expert_info, expert.schema, inputs,
-                                                      grad_outputs), 20)
+            get_background_loop().run(
+                expert_backward(client, expert.expert_info, expert.schema, inputs, grad_outputs), 20
+            )
         assert same(parameters_of(server, "ffn.0"), before), "not one parameter moved"
         messages = [record.getMessage() for record in caplog.records]
         assert any("refused a request" in m and "NaN or inf" in m for m in messages)
@@ -67,8 +73,9 @@ def test_a_nonfinite_backward_is_refused_and_the_expert_unchanged(client, poison
 
 
 def test_a_nonfinite_forward_input_is_refused(client):  # noqa: F811
-    server = Server.create(expert_uids=["ffn.0"], hidden_dim=8, optim_cls=SGD, start=True, host_maddrs=LOCAL,
-                           device="cpu")
+    server = Server.create(
+        expert_uids=["ffn.0"], hidden_dim=8, optim_cls=SGD, start=True, host_maddrs=LOCAL, device="cpu"
+    )
     try:
         expert = remote(client, server, "ffn.0")
         with pytest.raises(rpc.RPCError, match="input 0 holds NaN or inf"):

@@ -11,7 +11,14 @@ import torch
 
 from plexus.compression import serialize_torch_tensor
 from plexus.dht.dht import DHT
-from plexus.moe import BatchTensorDescriptor, ExpertInfo, ModuleBackend, RemoteExpert, Server, background_server
+from plexus.moe import (
+    BatchTensorDescriptor,
+    ExpertInfo,
+    ModuleBackend,
+    RemoteExpert,
+    Server,
+    background_server,
+)
 from plexus.moe.client import expert_forward
 from plexus.moe.messages import (
     BACKWARD_PROTOCOL,
@@ -108,14 +115,20 @@ def test_oldest_waiting_request_goes_first_across_pools():
             with lock:
                 seen.append((name, int(x[0, 0])))
             return (x,)
+
         return process
 
     pool_a = TaskPool(make("a"), name="a", max_batch_size=1)
     pool_b = TaskPool(make("b"), name="b", max_batch_size=1)
 
     async def body(runtime):
-        futures = [pool_b.submit_task(rows(1)), pool_a.submit_task(rows(2)), pool_b.submit_task(rows(3)),
-                   pool_a.submit_task(rows(4)), pool_a.submit_task(rows(5))]
+        futures = [
+            pool_b.submit_task(rows(1)),
+            pool_a.submit_task(rows(2)),
+            pool_b.submit_task(rows(3)),
+            pool_a.submit_task(rows(4)),
+            pool_a.submit_task(rows(5)),
+        ]
         runtime.start()
         await asyncio.gather(*futures)
 
@@ -191,12 +204,15 @@ def test_pending_requests_are_bounded_and_failed_on_shutdown():
 
 @pytest.mark.parametrize("expert_cls", sorted(name_to_block))
 def test_each_builtin_expert_starts_and_answers(expert_cls, client):
-    with background_server(expert_uids=[f"{expert_cls}.0"], expert_cls=expert_cls, hidden_dim=16,
-                           optim_cls=None) as info:
+    with background_server(
+        expert_uids=[f"{expert_cls}.0"], expert_cls=expert_cls, hidden_dim=16, optim_cls=None
+    ) as info:
         client.add_addrs(info.peer_id, info.addrs)
         expert = RemoteExpert(ExpertInfo(f"{expert_cls}.0", info.peer_id), client)
-        inputs = [d.make_zeros(2) + (torch.randn(2, *d.make_zeros(1).shape[1:]) if d.requires_grad else 0)
-                  for d in expert.schema.args_schema]
+        inputs = [
+            d.make_zeros(2) + (torch.randn(2, *d.make_zeros(1).shape[1:]) if d.requires_grad else 0)
+            for d in expert.schema.args_schema
+        ]
         if expert_cls == "transformer":
             inputs[1] = torch.zeros(2, 128, dtype=torch.bool)
         if expert_cls == "det_dropout":
@@ -214,8 +230,14 @@ def test_server_refuses_what_cannot_serve():
 
 
 def test_create_chooses_uids():
-    server = Server.create(num_experts=3, expert_pattern="ffn.[0:2].[0:8]", hidden_dim=4, start=False,
-                           rng=random.Random(0), host=Host())
+    server = Server.create(
+        num_experts=3,
+        expert_pattern="ffn.[0:2].[0:8]",
+        hidden_dim=4,
+        start=False,
+        rng=random.Random(0),
+        host=Host(),
+    )
     assert len(server.module_backends) == 3 and all(uid.startswith("ffn.") for uid in server.module_backends)
     server = Server.create(num_experts=2, hidden_dim=4, optim_cls=None, start=False, host=Host())
     assert list(server.module_backends) == ["expert.0", "expert.1"]
@@ -229,9 +251,18 @@ def test_create_chooses_uids():
 
 def test_checkpoints_are_saved_atomically_and_restored(tmp_path, client):
     uid = "ffn.0"
-    server = Server.create(expert_uids=[uid], hidden_dim=8, optim_cls=lambda p: torch.optim.Adam(p, lr=0.01),
-                           scheduler="linear", num_warmup_steps=2, num_training_steps=10,
-                           checkpoint_dir=tmp_path, update_period=0.2, start=True, host_maddrs=LOCAL)
+    server = Server.create(
+        expert_uids=[uid],
+        hidden_dim=8,
+        optim_cls=lambda p: torch.optim.Adam(p, lr=0.01),
+        scheduler="linear",
+        num_warmup_steps=2,
+        num_training_steps=10,
+        checkpoint_dir=tmp_path,
+        update_period=0.2,
+        start=True,
+        host_maddrs=LOCAL,
+    )
     try:
         connect(client, server)
         expert = RemoteExpert(ExpertInfo(uid, server.host.peer_id), client)
@@ -248,9 +279,17 @@ def test_checkpoints_are_saved_atomically_and_restored(tmp_path, client):
     assert LAST in files and any(name.startswith("checkpoint_2") for name in files)
     assert not [name for name in files if name.endswith(".tmp")]
 
-    restored = Server.create(num_experts=1, hidden_dim=8, optim_cls=lambda p: torch.optim.Adam(p, lr=0.01),
-                             scheduler="linear", num_warmup_steps=2, num_training_steps=10,
-                             checkpoint_dir=tmp_path, start=False, host=Host())
+    restored = Server.create(
+        num_experts=1,
+        hidden_dim=8,
+        optim_cls=lambda p: torch.optim.Adam(p, lr=0.01),
+        scheduler="linear",
+        num_warmup_steps=2,
+        num_training_steps=10,
+        checkpoint_dir=tmp_path,
+        start=False,
+        host=Host(),
+    )
     assert list(restored.module_backends) == [uid]  # the uid came from the checkpoint directory
     backend = restored.module_backends[uid]
     load_experts(restored.module_backends, tmp_path)
@@ -272,7 +311,9 @@ def test_checkpoint_files_are_bounded_and_bad_files_explained(tmp_path):
     with pytest.raises(RuntimeError, match="Move the file away"):
         load_experts({"ffn.1": backend}, tmp_path)
     with pytest.raises(ValueError, match="cannot name a checkpoint directory"):
-        save_expert(ModuleBackend("..", torch.nn.Linear(2, 2), args_schema=(BatchTensorDescriptor((2,)),)), tmp_path)
+        save_expert(
+            ModuleBackend("..", torch.nn.Linear(2, 2), args_schema=(BatchTensorDescriptor((2,)),)), tmp_path
+        )
 
 
 # --- malformed requests -----------------------------------------------------------------------------
@@ -284,8 +325,9 @@ def tensor_bytes(tensor):
 
 def test_malformed_requests_get_errors_and_the_server_keeps_serving(client):
     loop = get_background_loop()
-    server = Server.create(expert_uids=["ffn.0"], hidden_dim=4, max_batch_size=8, optim_cls=None, start=True,
-                           host_maddrs=LOCAL)
+    server = Server.create(
+        expert_uids=["ffn.0"], hidden_dim=4, max_batch_size=8, optim_cls=None, start=True, host_maddrs=LOCAL
+    )
     connect(client, server)
     peer = server.host.peer_id
 
@@ -296,8 +338,13 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(client):
         async def requests():
             for message in messages:
                 yield message
-        return [r async for r in rpc.call_stream(client, peer, FORWARD_STREAM_PROTOCOL, requests(), ExpertResponse,
-                                                 timeout=10)]
+
+        return [
+            r
+            async for r in rpc.call_stream(
+                client, peer, FORWARD_STREAM_PROTOCOL, requests(), ExpertResponse, timeout=10
+            )
+        ]
 
     good = ExpertRequest("ffn.0", [tensor_bytes(torch.randn(2, 4))])
     header_of_wrong_shape = serialize_torch_tensor(torch.randn(2, 5)).to_bytes()
@@ -305,23 +352,46 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(client):
         (lambda: call(FORWARD_PROTOCOL, b"\xc1garbage"), "malformed ExpertRequest"),
         (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.9", good.tensors)), "no expert 'ffn.9'"),
         (lambda: call(INFO_PROTOCOL, InfoRequest("ffn.9"), ExpertSchema), "no expert 'ffn.9'"),
-        (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(2, 5))])),
-         r"input 0 has shape \(2, 5\), expected \(batch, 4\)"),
-        (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(2, 4).double())])),
-         "dtype float64, expected float32"),
-        (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", good.tensors * 2)), "takes 1 tensors for forward, got 2"),
-        (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(9, 4))])),
-         "more than max_batch_size=8"),
-        (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(0, 4))])), "empty batch"),
+        (
+            lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(2, 5))])),
+            r"input 0 has shape \(2, 5\), expected \(batch, 4\)",
+        ),
+        (
+            lambda: call(
+                FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(2, 4).double())])
+            ),
+            "dtype float64, expected float32",
+        ),
+        (
+            lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", good.tensors * 2)),
+            "takes 1 tensors for forward, got 2",
+        ),
+        (
+            lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(9, 4))])),
+            "more than max_batch_size=8",
+        ),
+        (
+            lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [tensor_bytes(torch.randn(0, 4))])),
+            "empty batch",
+        ),
         (lambda: call(FORWARD_PROTOCOL, ExpertRequest("ffn.0", [b"\x96\xc4\x01x"])), "malformed tensor"),
         (lambda: call(BACKWARD_PROTOCOL, good), "takes 2 tensors for backward, got 1"),
-        (lambda: call(BACKWARD_PROTOCOL, ExpertRequest("ffn.0", [good.tensors[0], tensor_bytes(torch.randn(3, 4))])),
-         "output gradient 0 has 3 rows, but the first tensor has 2"),
+        (
+            lambda: call(
+                BACKWARD_PROTOCOL, ExpertRequest("ffn.0", [good.tensors[0], tensor_bytes(torch.randn(3, 4))])
+            ),
+            "output gradient 0 has 3 rows, but the first tensor has 2",
+        ),
         (lambda: stream([ExpertRequest("ffn.0", [header_of_wrong_shape])]), "input 0 has shape"),
-        (lambda: stream([ExpertRequest("ffn.0", []), ExpertRequest("ffn.1", good.tensors)]), "switched to 'ffn.1'"),
+        (
+            lambda: stream([ExpertRequest("ffn.0", []), ExpertRequest("ffn.1", good.tensors)]),
+            "switched to 'ffn.1'",
+        ),
         (lambda: stream([]), "stream was empty"),
-        (lambda: stream([ExpertRequest("ffn.0", [serialize_torch_tensor(torch.randn(9, 4)).to_bytes()])]),
-         "more than max_batch_size=8"),
+        (
+            lambda: stream([ExpertRequest("ffn.0", [serialize_torch_tensor(torch.randn(9, 4)).to_bytes()])]),
+            "more than max_batch_size=8",
+        ),
         (lambda: stream([ExpertRequest("ffn.0", [])]), "takes 1 tensors for forward, got 0"),
     ]
     try:
@@ -342,8 +412,15 @@ def test_malformed_requests_get_errors_and_the_server_keeps_serving(client):
 
 
 def test_slow_expert_times_out_with_a_clear_error(client):
-    server = Server.create(expert_uids=["nop_delay.0"], expert_cls="nop_delay", hidden_dim=4, optim_cls=None,
-                           start=True, host_maddrs=LOCAL, request_timeout=0.1)
+    server = Server.create(
+        expert_uids=["nop_delay.0"],
+        expert_cls="nop_delay",
+        hidden_dim=4,
+        optim_cls=None,
+        start=True,
+        host_maddrs=LOCAL,
+        request_timeout=0.1,
+    )
     try:
         connect(client, server)
         expert = RemoteExpert(ExpertInfo("nop_delay.0", server.host.peer_id), client)
@@ -383,14 +460,20 @@ def test_busy_compute_thread_leaves_the_loop_free_and_waiting_requests_share_a_b
             expert.schema  # noqa: B018  (fetch it now, outside the measured part)
 
             async def forward(value):
-                return await expert_forward(client, expert.expert_info, expert.schema, [torch.full((2, 2), value)])
+                return await expert_forward(
+                    client, expert.expert_info, expert.schema, [torch.full((2, 2), value)]
+                )
 
             first = loop.submit(forward(0.0))
             assert module.entered.wait(10)  # the compute thread is now stuck in forward
             waiting = [loop.submit(forward(float(v))) for v in range(1, 6)]
             # the loop still answers: a schema request completes while compute is blocked
-            schema = loop.run(rpc.call(client, host.peer_id, INFO_PROTOCOL, InfoRequest("gated.0"), ExpertSchema,
-                                       timeout=10), 15)
+            schema = loop.run(
+                rpc.call(
+                    client, host.peer_id, INFO_PROTOCOL, InfoRequest("gated.0"), ExpertSchema, timeout=10
+                ),
+                15,
+            )
             assert schema.uid == "gated.0" and not first.done()
             deadline = time.monotonic() + 10
             while backend.forward_pool.num_pending < 5:  # all five reached the pool

@@ -21,7 +21,19 @@ pytestmark = pytest.mark.timeout(10)
 def test_uid_and_prefix_formats():
     for uid in ("ffn.0", "ffn.3.17", "my-expert_1.0.0.5", "a/b.2"):
         assert is_valid_uid(uid), uid
-    for bad in ("ffn", "ffn.", "ffn.01", "ffn.-1", "ffn.a", ".1", "ffn..1", "ffn.1.", 7, None, "x." + "1" * 300):
+    for bad in (
+        "ffn",
+        "ffn.",
+        "ffn.01",
+        "ffn.-1",
+        "ffn.a",
+        ".1",
+        "ffn..1",
+        "ffn.1.",
+        7,
+        None,
+        "x." + "1" * 300,
+    ):
         assert not is_valid_uid(bad), bad
     for prefix in ("ffn.", "ffn.3.", "ffn.3.0."):
         assert is_valid_prefix(prefix), prefix
@@ -58,8 +70,9 @@ def test_patterns_parse_and_expand():
         expand_expert_pattern("big.[0:2048].[0:2048]")
 
 
-@pytest.mark.parametrize("pattern, count", [("ffn.[0:4].[0:16]", 60), ("ffn.[0:4].[0:16]", 5),
-                                            ("big.[0:100000].[0:100000]", 50)])
+@pytest.mark.parametrize(
+    "pattern, count", [("ffn.[0:4].[0:16]", 60), ("ffn.[0:4].[0:16]", 5), ("big.[0:100000].[0:100000]", 50)]
+)
 def test_sampling_is_distinct_in_grid_and_seeded(pattern, count):
     exclude = {"ffn.0.0", "ffn.1.1", "elsewhere.1"}
     uids = sample_expert_uids(pattern, count, rng=random.Random(1), exclude=exclude)

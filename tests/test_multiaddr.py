@@ -319,8 +319,10 @@ GOOD = Multiaddr(f"/ip4/1.2.3.4/tcp/4001/p2p/{PEER}").to_bytes()
         (bytes.fromhex("3603612f62"), "contains '/'"),  # dns4 "a/b"
         (bytes.fromhex("3602c328"), "not valid UTF-8"),
         (bytes.fromhex("900306736f636b6574"), "not absolute"),  # unix "socket"
-        (bytes.fromhex("a503221221c05877cbae039d70a5e600ea02c6f9f2942439285c9e344e26f8d280c850fad6"),
-         "invalid peer id"),  # from go-multiaddr's TestInvalidP2PAddr: multihash length says 33, has 32
+        (
+            bytes.fromhex("a503221221c05877cbae039d70a5e600ea02c6f9f2942439285c9e344e26f8d280c850fad6"),
+            "invalid peer id",
+        ),  # from go-multiaddr's TestInvalidP2PAddr: multihash length says 33, has 32
         (bytes.fromhex("a50302ff00"), "invalid peer id"),  # unknown multihash code
         (bytes.fromhex("a202") * 600, "exceeds 1024"),
         (GOOD[:-1], "truncated"),

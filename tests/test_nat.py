@@ -62,8 +62,12 @@ class NatLab(Namespaces):
         return self
 
     def start_peer(self, ns: str, *args: str) -> PeerProcess:
-        process = self.spawn(ns, [sys.executable, "-m", "tests.test_nat", *args],
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=str(REPO))
+        process = self.spawn(
+            ns,
+            [sys.executable, "-m", "tests.test_nat", *args],
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            cwd=str(REPO),
+        )
         return PeerProcess(ns, process)
 
 
@@ -90,9 +94,29 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
             ready = peer.wait_for("ready")
             assert all("/p2p-circuit" in addr for addr in ready["advertised"]), ready
         if punch == "relay-only":  # `plexus doctor` from behind a NAT, while the peers start up
-            doctor = subprocess.run(["ip", "netns", "exec", lab.full("a"), sys.executable, "-m", "plexus.cli.main",
-                                     "doctor", "--peer", relay, "--host_maddrs", "/ip4/10.200.1.2/tcp/0", "--json",
-                                     "--timeout", "10"], cwd=REPO, capture_output=True, text=True, timeout=60)
+            doctor = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    lab.full("a"),
+                    sys.executable,
+                    "-m",
+                    "plexus.cli.main",
+                    "doctor",
+                    "--peer",
+                    relay,
+                    "--host_maddrs",
+                    "/ip4/10.200.1.2/tcp/0",
+                    "--json",
+                    "--timeout",
+                    "10",
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             diagnosis = json.loads(doctor.stdout)
             assert doctor.returncode == 1 and diagnosis["nat"].startswith("behind NAT"), diagnosis
             assert diagnosis["reachability"] == "private", diagnosis
@@ -112,8 +136,9 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
             assert (result["reachability"], result["mode"]) == ("private", "relay"), result
             # Their first connection went through the relay (the DHT may have made it before our ping);
             # when hole punching worked, the ping used the punched direct connection instead.
-            assert result["ping_connection"] == ("direct" if result["hole_punch"].startswith("direct")
-                                                 else "relayed"), result
+            assert result["ping_connection"] == (
+                "direct" if result["hole_punch"].startswith("direct") else "relayed"
+            ), result
             if punch == "relay-only":
                 assert result["hole_punch"] == "not enabled" and result["first_connection"] == "relayed"
             assert result["averaged"] == pytest.approx(1.5), result  # mean of 1.0 (a) and 2.0 (b)
@@ -164,9 +189,13 @@ def peer_main(argv: list[str]) -> None:
         me = "pub"
     else:
         relay, me, other, punch = argv[2], argv[3], argv[4], argv[5] == "punch"
-        dht = DHT(initial_peers=[relay], host_maddrs=listen, use_auto_relay=True, hole_punching=punch, start=True)
-        emit("ready", advertised=[str(addr) for addr in dht.get_visible_maddrs()
-                                  if str(addr).startswith(relay)])
+        dht = DHT(
+            initial_peers=[relay], host_maddrs=listen, use_auto_relay=True, hole_punching=punch, start=True
+        )
+        emit(
+            "ready",
+            advertised=[str(addr) for addr in dht.get_visible_maddrs() if str(addr).startswith(relay)],
+        )
     dht.store(f"nat_{me}", {"text": f"from {me}", "peer_id": str(dht.peer_id)}, get_dht_time() + 300)
     values = _wait_for_values(dht, names, get_dht_time)
     emit("dht", values={name: value["text"] for name, value in values.items()})
@@ -179,15 +208,32 @@ def peer_main(argv: list[str]) -> None:
     other_id = values[other]["peer_id"]
     rtt, first, now = dht.run_coroutine(lambda dht, node: _ping(dht, other_id, dial=me == "a"))
     rank = 1.0 if me == "a" else 2.0
-    averager = DecentralizedAverager([torch.full((1000,), rank)], dht, prefix="nat", target_group_size=2,
-                                     min_matchmaking_time=2.0, request_timeout=2.0, start=True)
+    averager = DecentralizedAverager(
+        [torch.full((1000,), rank)],
+        dht,
+        prefix="nat",
+        target_group_size=2,
+        min_matchmaking_time=2.0,
+        request_timeout=2.0,
+        start=True,
+    )
     result = averager.step(gather=str(dht.peer_id), timeout=60)
     with averager.get_tensors() as tensors:
         averaged = float(tensors[0].mean())
     hole_punch = dht.run_coroutine(lambda dht, node: _hole_punch(dht, other_id))
-    emit("done", peer_id=str(dht.peer_id), dht={name: value["text"] for name, value in values.items()},
-         first_connection=first, ping_connection=now, rtt=rtt, reachability=dht.reachability, mode=dht.nat_mode,
-         averaged=averaged, group=sorted(result.values()), hole_punch=hole_punch)
+    emit(
+        "done",
+        peer_id=str(dht.peer_id),
+        dht={name: value["text"] for name, value in values.items()},
+        first_connection=first,
+        ping_connection=now,
+        rtt=rtt,
+        reachability=dht.reachability,
+        mode=dht.nat_mode,
+        averaged=averaged,
+        group=sorted(result.values()),
+        hole_punch=hole_punch,
+    )
     averager.shutdown()
     dht.shutdown()
 

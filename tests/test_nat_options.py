@@ -69,21 +69,35 @@ def test_auto_mode_asks_initial_peers_and_stays_direct_when_they_can_dial_back(c
 def test_private_peer_reserves_on_an_initial_peer_or_on_a_relay_announced_in_the_dht():
     # A verified public peer announces its relay service; the bootstrap peer relays for nobody.
     relay = DHT(start=True, host_maddrs=LOCAL, force_reachability="public")
-    bootstrap = DHT(initial_peers=relay.get_visible_maddrs(), start=True, host_maddrs=LOCAL, relay_service=False)
+    bootstrap = DHT(
+        initial_peers=relay.get_visible_maddrs(), start=True, host_maddrs=LOCAL, relay_service=False
+    )
     peers = [relay, bootstrap]
     try:
         assert relay.get(RELAY_KEY, latest=True) is not None
         # Through the DHT: its only initial peer does not relay.
-        private = DHT(initial_peers=bootstrap.get_visible_maddrs(), start=True, host_maddrs=LOCAL,
-                      force_reachability="private", use_auto_relay=True)
+        private = DHT(
+            initial_peers=bootstrap.get_visible_maddrs(),
+            start=True,
+            host_maddrs=LOCAL,
+            force_reachability="private",
+            use_auto_relay=True,
+        )
         peers.append(private)
         assert private.nat_mode == "relay" and list(private.relay_client.reservations) == [relay.peer_id]
         circuits = [addr for addr in private.get_visible_maddrs() if addr.is_circuit]
         assert circuits and all(str(relay.peer_id) in str(addr) for addr in circuits), circuits
         assert private.relay_service is None, "a private peer relays for nobody"
         # Through an initial peer that relays (explicit `relays` work the same way), in auto mode.
-        auto = DHT(initial_peers=relay.get_visible_maddrs(), start=True, host_maddrs=LOCAL, client_mode=None,
-                   force_reachability="private", use_auto_relay=True, hole_punching=False)
+        auto = DHT(
+            initial_peers=relay.get_visible_maddrs(),
+            start=True,
+            host_maddrs=LOCAL,
+            client_mode=None,
+            force_reachability="private",
+            use_auto_relay=True,
+            hole_punching=False,
+        )
         peers.append(auto)
         assert auto.nat_mode == "relay" and not auto.client_mode
         # Another peer reaches the private one through its relay address (the relay client dialed by
@@ -102,8 +116,13 @@ def test_private_peer_without_any_relay_says_what_to_do(caplog):
     first = DHT(start=True, host_maddrs=LOCAL, relay_service=False)
     try:
         with caplog.at_level(logging.WARNING, logger="plexus"):
-            lonely = DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL,
-                         force_reachability="private", use_auto_relay=True)
+            lonely = DHT(
+                initial_peers=first.get_visible_maddrs(),
+                start=True,
+                host_maddrs=LOCAL,
+                force_reachability="private",
+                use_auto_relay=True,
+            )
         try:
             assert lonely.nat_mode == "direct" and not lonely.client_mode
             assert "no relay gave it a slot" in caplog.text and "client_mode=True" in caplog.text
@@ -116,10 +135,27 @@ def test_private_peer_without_any_relay_says_what_to_do(caplog):
 @pytest.mark.timeout(60)
 def test_plexus_dht_flags_reserve_on_the_given_relay_and_say_so():
     relay = DHT(start=True, host_maddrs=LOCAL)
-    process = subprocess.Popen([sys.executable, "-m", "plexus.cli.main", "dht", "--host_maddrs", LOCAL[0],
-                                "--initial_peers", str(relay.get_visible_maddrs()[0]), "--use_auto_relay",
-                                "--force_reachability", "private", "--relays", str(relay.get_visible_maddrs()[0]),
-                                "--refresh_period", "30"], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "plexus.cli.main",
+            "dht",
+            "--host_maddrs",
+            LOCAL[0],
+            "--initial_peers",
+            str(relay.get_visible_maddrs()[0]),
+            "--use_auto_relay",
+            "--force_reachability",
+            "private",
+            "--relays",
+            str(relay.get_visible_maddrs()[0]),
+            "--refresh_period",
+            "30",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = [process.stderr.readline() for _ in range(2)]
         assert "/p2p-circuit/p2p/" in lines[0], lines  # its relayed address is among those to share

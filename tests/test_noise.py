@@ -13,15 +13,18 @@ from plexus.p2p.protocols.noise import NoiseError, NoiseHandshake, NoiseTranspor
 
 pytestmark = pytest.mark.timeout(30)
 
-SUITES = pytest.mark.parametrize("suite", [noise.CHACHAPOLY_SUITE, noise.AESGCM_SUITE], ids=lambda s: s.protocol_id)
+SUITES = pytest.mark.parametrize(
+    "suite", [noise.CHACHAPOLY_SUITE, noise.AESGCM_SUITE], ids=lambda s: s.protocol_id
+)
 
 ALICE = PrivateKey.from_seed(bytes([1]) * 32)
 BOB = PrivateKey.from_seed(bytes([2]) * 32)
 MALLORY = PrivateKey.from_seed(bytes([3]) * 32)
 
 
-def make_pair(initiator_key=ALICE, responder_key=BOB, *, fixed=False, suite=noise.CHACHAPOLY_SUITE,
-              **initiator_kwargs):
+def make_pair(
+    initiator_key=ALICE, responder_key=BOB, *, fixed=False, suite=noise.CHACHAPOLY_SUITE, **initiator_kwargs
+):
     seeds = {}
     if fixed:
         seeds = dict(

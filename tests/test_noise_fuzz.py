@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 from plexus.p2p.identity import PrivateKey
 from plexus.p2p.protocols.errors import RemoteProtocolError
 from plexus.p2p.protocols.noise import (
-    AESGCM_SUITE, CHACHAPOLY_SUITE, MAX_MESSAGE, CipherSuite, NoiseError, NoiseHandshake, NoiseTransport, State,
+    AESGCM_SUITE,
+    CHACHAPOLY_SUITE,
+    MAX_MESSAGE,
+    CipherSuite,
+    NoiseError,
+    NoiseHandshake,
+    NoiseTransport,
+    State,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,7 +153,9 @@ suites = st.sampled_from([CHACHAPOLY_SUITE, AESGCM_SUITE])
 
 
 @FUZZ
-@given(data=st.binary(max_size=3000), valid_prefix=st.lists(st.binary(max_size=200), max_size=3), suite=suites)
+@given(
+    data=st.binary(max_size=3000), valid_prefix=st.lists(st.binary(max_size=200), max_size=3), suite=suites
+)
 def test_transport_open_into_random_bytes(data, valid_prefix, suite):
     sender, receiver = transport_pair(suite)
     stream = bytearray(sum(len(m) + 18 for m in valid_prefix))

@@ -23,10 +23,19 @@ def train(dht: DHT, results: dict, index: int, epochs: int, barrier: threading.B
     generator = torch.Generator().manual_seed(index)
     inputs = torch.randn(256, 8, generator=generator)
     targets = inputs @ torch.arange(8.0).unsqueeze(1)
-    opt = Optimizer(dht=dht, run_id="test_run", target_batch_size=64, batch_size_per_step=16,
-                    optimizer=functools.partial(torch.optim.SGD, lr=0.05), params=model.parameters(),
-                    matchmaking_time=1.0, averaging_timeout=10.0, tracker_opts=FAST_TRACKER, verbose=True,
-                    **options)
+    opt = Optimizer(
+        dht=dht,
+        run_id="test_run",
+        target_batch_size=64,
+        batch_size_per_step=16,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.05),
+        params=model.parameters(),
+        matchmaking_time=1.0,
+        averaging_timeout=10.0,
+        tracker_opts=FAST_TRACKER,
+        verbose=True,
+        **options,
+    )
     losses = []
     barrier.wait(30)  # "start together": both constructed (and announced) before either trains
     try:
@@ -42,15 +51,18 @@ def train(dht: DHT, results: dict, index: int, epochs: int, barrier: threading.B
     results[index] = (opt.local_epoch, [p.detach().clone() for p in model.parameters()], losses)
 
 
-@pytest.mark.parametrize("options", [{}, dict(delay_optimizer_step=True, delay_grad_averaging=True)],
-                         ids=["default", "delayed"])
+@pytest.mark.parametrize(
+    "options", [{}, dict(delay_optimizer_step=True, delay_grad_averaging=True)], ids=["default", "delayed"]
+)
 def test_two_peers_train_together_and_end_identical(options, caplog):
     caplog.set_level(logging.INFO, logger="plexus.optim")
     first = DHT(start=True, host_maddrs=LOCAL)
     second = DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL)
     results, barrier = {}, threading.Barrier(2)
-    threads = [threading.Thread(target=train, args=(dht, results, i, 6, barrier), kwargs=options)
-               for i, dht in enumerate((first, second))]
+    threads = [
+        threading.Thread(target=train, args=(dht, results, i, 6, barrier), kwargs=options)
+        for i, dht in enumerate((first, second))
+    ]
     try:
         for thread in threads:
             thread.start()
@@ -65,10 +77,19 @@ def test_two_peers_train_together_and_end_identical(options, caplog):
             assert torch.allclose(a, b, atol=1e-6)
         # the status lines of the tutorial, at INFO with verbose=True
         text = caplog.text
-        assert re.search(r"test_run accumulated \d+ samples for epoch #\d+ from 2 peers\. "
-                         r"ETA \d+\.\d\d sec \(refresh in \d+\.\d\d sec\)", text)
-        for line in (r"Step #6", r"Your current contribution: \d+ samples", r"Performance: [\d.]+ samples/sec",
-                     r"Local loss: [\d.]+", r"Averaged gradients with 2 peers", r"Averaged parameters with 2 peers"):
+        assert re.search(
+            r"test_run accumulated \d+ samples for epoch #\d+ from 2 peers\. "
+            r"ETA \d+\.\d\d sec \(refresh in \d+\.\d\d sec\)",
+            text,
+        )
+        for line in (
+            r"Step #6",
+            r"Your current contribution: \d+ samples",
+            r"Performance: [\d.]+ samples/sec",
+            r"Local loss: [\d.]+",
+            r"Averaged gradients with 2 peers",
+            r"Averaged parameters with 2 peers",
+        ):
             if line.startswith("Local loss"):
                 continue  # this loop calls backward() itself: the optimizer never sees the loss
             assert re.search(line, text), f"no log line like {line!r}"
@@ -82,11 +103,21 @@ def test_bad_options_get_clear_errors():
     try:
         model = torch.nn.Linear(2, 1)
         with pytest.raises(ValueError, match="delay_optimizer_step requires offload_optimizer"):
-            Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=torch.optim.SGD(model.parameters(), lr=1),
-                      delay_optimizer_step=True)
+            Optimizer(
+                dht=dht,
+                run_id="bad",
+                target_batch_size=8,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1),
+                delay_optimizer_step=True,
+            )
         with pytest.raises(ValueError, match="either an optimizer instance"):
-            Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=torch.optim.SGD(model.parameters(), lr=1),
-                      params=model.parameters())
+            Optimizer(
+                dht=dht,
+                run_id="bad",
+                target_batch_size=8,
+                optimizer=torch.optim.SGD(model.parameters(), lr=1),
+                params=model.parameters(),
+            )
     finally:
         dht.shutdown()
 
@@ -96,9 +127,15 @@ def test_shutdown_is_quick_when_no_round_runs():
     dht = DHT(start=True, host_maddrs=LOCAL)
     try:
         model = torch.nn.Linear(4, 1)
-        opt = Optimizer(dht=dht, run_id="alone", target_batch_size=10**6, batch_size_per_step=4,
-                        optimizer=functools.partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
-                        tracker_opts=FAST_TRACKER)
+        opt = Optimizer(
+            dht=dht,
+            run_id="alone",
+            target_batch_size=10**6,
+            batch_size_per_step=4,
+            optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+            params=model.parameters(),
+            tracker_opts=FAST_TRACKER,
+        )
         for _ in range(5):
             model(torch.randn(4, 4)).sum().backward()
             opt.step()

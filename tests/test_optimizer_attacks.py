@@ -26,8 +26,15 @@ from tests.test_optimizer_swarm import join
 
 pytestmark = pytest.mark.timeout(120)
 EPOCHS = 6
-TRAINING = dict(target_batch_size=256, batch_size=32, epochs=EPOCHS, step_delay=0.005, lr=0.1,
-                matchmaking_time=1.0, averaging_timeout=10.0)
+TRAINING = dict(
+    target_batch_size=256,
+    batch_size=32,
+    epochs=EPOCHS,
+    step_delay=0.005,
+    lr=0.1,
+    matchmaking_time=1.0,
+    averaging_timeout=10.0,
+)
 ROBUST = dict(options=dict(robust_aggregation=RobustAggregation()))
 # Attacked honest peers' loss falls by at least this share of what three honest peers alone achieve.
 # Measured over 10 runs: 0.70 to 0.95 (CenteredClip's radius lets a member of four pull by half a median
@@ -118,9 +125,15 @@ def test_gradient_weights_are_limited_by_the_progress_records():
     never below two target batches (records lag): here a record of 3 x 32 samples, target 40."""
     dht = DHT(start=True, host_maddrs=LOCAL)
     model = torch.nn.Linear(4, 1)
-    opt = Optimizer(dht=dht, run_id="limits", target_batch_size=40, batch_size_per_step=32,
-                    params=model.parameters(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                    tracker_opts=FAST_TRACKER)
+    opt = Optimizer(
+        dht=dht,
+        run_id="limits",
+        target_batch_size=40,
+        batch_size_per_step=32,
+        params=model.parameters(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        tracker_opts=FAST_TRACKER,
+    )
     try:
         for batch in range(3):
             model(torch.randn(32, 4)).sum().backward()

@@ -31,8 +31,12 @@ def run_swarm(num_peers: int, config: dict, timeout: float = 150) -> list[dict]:
     context = multiprocessing.get_context("spawn")
     results, events, addresses = context.Queue(), context.Queue(), context.Queue()
     barrier = context.Barrier(num_peers)
-    processes = [context.Process(target=run_peer, args=(i, config, addresses if i else None, results, barrier, events),
-                                 daemon=True) for i in range(num_peers)]
+    processes = [
+        context.Process(
+            target=run_peer, args=(i, config, addresses if i else None, results, barrier, events), daemon=True
+        )
+        for i in range(num_peers)
+    ]
     for process in processes:
         process.start()
     try:
@@ -56,10 +60,16 @@ def run_swarm(num_peers: int, config: dict, timeout: float = 150) -> list[dict]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_peers", [2, 4])
 def test_swarm_matches_one_process_with_the_global_batch(num_peers):
-    config = dict(target_batch_size=64, epochs=EPOCHS, lr=LR, matchmaking_time=1.0, averaging_timeout=60.0,
-                  # groups of everyone: a round that forms without a slow peer would be a different
-                  # computation (correct for hivemind, but not the one replayed here)
-                  options=dict(averager_opts=dict(target_group_size=num_peers, min_group_size=num_peers)))
+    config = dict(
+        target_batch_size=64,
+        epochs=EPOCHS,
+        lr=LR,
+        matchmaking_time=1.0,
+        averaging_timeout=60.0,
+        # groups of everyone: a round that forms without a slow peer would be a different
+        # computation (correct for hivemind, but not the one replayed here)
+        options=dict(averager_opts=dict(target_group_size=num_peers, min_group_size=num_peers)),
+    )
     outcomes = run_swarm(num_peers, config)
 
     assert [o["epoch"] for o in outcomes] == [EPOCHS] * num_peers
@@ -77,8 +87,10 @@ def test_swarm_matches_one_process_with_the_global_batch(num_peers):
     error = max(float((a - b).abs().max()) for a, b in zip(reference, expected))
     rounding = max(float((a.double() - b).abs().max()) for a, b in zip(expected, in_float64))
     one_batch = max(float((a - b).abs().max()) for a, b in zip(misplaced, expected))
-    print(f"{num_peers} peers: swarm vs replay {error:.2e}, float32 vs float64 replay {rounding:.2e}, "
-          f"one micro-batch misplaced {one_batch:.2e}")
+    print(
+        f"{num_peers} peers: swarm vs replay {error:.2e}, float32 vs float64 replay {rounding:.2e}, "
+        f"one micro-batch misplaced {one_batch:.2e}"
+    )
     assert rounding < TOLERANCE / 3, f"float32 rounding alone is {rounding:.2e}; the tolerance assumes less"
     assert one_batch > 100 * TOLERANCE, f"one micro-batch moves parameters by only {one_batch:.2e}"
     assert error <= TOLERANCE, f"the swarm differs from the one-process replay by {error:.2e}"

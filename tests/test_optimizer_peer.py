@@ -28,7 +28,9 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor]:
 
 def make_model(hidden: int = HIDDEN) -> torch.nn.Module:
     torch.manual_seed(0)  # every peer and the replay start from the same parameters
-    return torch.nn.Sequential(torch.nn.Linear(NUM_FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(NUM_FEATURES, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+    )
 
 
 def full_loss(model: torch.nn.Module, inputs, targets) -> float:
@@ -36,8 +38,9 @@ def full_loss(model: torch.nn.Module, inputs, targets) -> float:
         return float(((model(inputs) - targets) ** 2).mean())
 
 
-def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier=None, events=None,
-             stop=None):
+def run_peer(
+    index: int, config: dict, initial_peers=None, results=None, barrier=None, events=None, stop=None
+):
     """Train until `config["epochs"]` (or `config["deadline"]` seconds); report through `results`.
 
     Parameters come back as numpy arrays: torch tensors would cross a process boundary as shared
@@ -59,10 +62,16 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     if initial_peers is not None and not isinstance(initial_peers, (list, tuple)):
         initial_peers = initial_peers.get(timeout=120)  # a queue: started before the first peer was up
     if config.get("log_level"):
-        logging.basicConfig(level=config["log_level"], format="%(created).3f %(process)d %(name)s %(message)s")
+        logging.basicConfig(
+            level=config["log_level"], format="%(created).3f %(process)d %(name)s %(message)s"
+        )
     client_mode = config.get("client_mode", False)
-    dht = DHT(initial_peers=initial_peers or None, start=True, client_mode=client_mode,
-              host_maddrs=() if client_mode else LOCAL)
+    dht = DHT(
+        initial_peers=initial_peers or None,
+        start=True,
+        client_mode=client_mode,
+        host_maddrs=() if client_mode else LOCAL,
+    )
     if events is not None:
         events.put(("maddrs", index, [str(a) for a in dht.get_visible_maddrs()], os.getpid()))
     inputs, targets = dataset()
@@ -71,17 +80,27 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     options = dict(config.get("options", {}))
     scheduler = None
     if config.get("scheduler"):
-        scheduler = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda epoch: 1.0 / (1 + epoch))
-    opt = Optimizer(dht=dht, run_id=config.get("run_id", "run"), target_batch_size=config["target_batch_size"],
-                    batch_size_per_step=None if config.get("auxiliary") else batch,
-                    optimizer=functools.partial(getattr(torch.optim, config.get("optimizer", "SGD")),
-                                                lr=config.get("lr", 0.1)),
-                    params=model.parameters(), scheduler=scheduler,
-                    matchmaking_time=config.get("matchmaking_time", 1.0),
-                    averaging_timeout=config.get("averaging_timeout", 30.0),
-                    tracker_opts=dict(FAST_TRACKER, **config.get("tracker_opts", {})),
-                    auxiliary=config.get("auxiliary", False), client_mode=client_mode,
-                    verbose=config.get("verbose", False), **options)
+        scheduler = functools.partial(
+            torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda epoch: 1.0 / (1 + epoch)
+        )
+    opt = Optimizer(
+        dht=dht,
+        run_id=config.get("run_id", "run"),
+        target_batch_size=config["target_batch_size"],
+        batch_size_per_step=None if config.get("auxiliary") else batch,
+        optimizer=functools.partial(
+            getattr(torch.optim, config.get("optimizer", "SGD")), lr=config.get("lr", 0.1)
+        ),
+        params=model.parameters(),
+        scheduler=scheduler,
+        matchmaking_time=config.get("matchmaking_time", 1.0),
+        averaging_timeout=config.get("averaging_timeout", 30.0),
+        tracker_opts=dict(FAST_TRACKER, **config.get("tracker_opts", {})),
+        auxiliary=config.get("auxiliary", False),
+        client_mode=client_mode,
+        verbose=config.get("verbose", False),
+        **options,
+    )
     if config.get("runner") is not None:  # a faulty member's all-reduce (see tests/test_optimizer_attacks.py)
         opt.grad_averager.allreduce_runner = config["runner"]
     if barrier is not None:
@@ -94,10 +113,14 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     grad_scaler, steps = None, 0
     if config.get("grad_scaler"):
         from plexus.optim.grad_scaler import GradScaler
+
         grad_scaler = GradScaler("cpu", init_scale=config["grad_scaler"])
     try:
-        while opt.local_epoch < config["epochs"] and time.monotonic() < deadline \
-                and not (stop is not None and stop.is_set()):
+        while (
+            opt.local_epoch < config["epochs"]
+            and time.monotonic() < deadline
+            and not (stop is not None and stop.is_set())
+        ):
             epoch, loads = opt.local_epoch, opt.state_loads
             if config.get("auxiliary"):
                 opt.step()
@@ -135,9 +158,16 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
     finally:
         opt.shutdown()
     lrs = [group["lr"] for group in opt.param_groups]
-    outcome = dict(epoch=opt.local_epoch, params=[p.detach().clone().numpy() for p in model.parameters()],
-                   contributions=contributions, state_loads=opt.state_loads, rounds=opt.rounds_averaged,
-                   epoch_losses=epoch_losses, lrs=lrs, nonfinite_batches=opt.nonfinite_batches)
+    outcome = dict(
+        epoch=opt.local_epoch,
+        params=[p.detach().clone().numpy() for p in model.parameters()],
+        contributions=contributions,
+        state_loads=opt.state_loads,
+        rounds=opt.rounds_averaged,
+        epoch_losses=epoch_losses,
+        lrs=lrs,
+        nonfinite_batches=opt.nonfinite_batches,
+    )
     dht.shutdown()
     if isinstance(results, dict):
         results[index] = outcome
@@ -145,8 +175,13 @@ def run_peer(index: int, config: dict, initial_peers=None, results=None, barrier
         results.put(("done", index, outcome))
 
 
-def replay(contributions_by_peer: list[dict[int, list[int]]], epochs: int, lr: float,
-           drop_first_batch: bool = False, dtype=torch.float32):
+def replay(
+    contributions_by_peer: list[dict[int, list[int]]],
+    epochs: int,
+    lr: float,
+    drop_first_batch: bool = False,
+    dtype=torch.float32,
+):
     """One process, SGD on exactly the swarm's global batch of each epoch (all peers' contributions).
 
     Returns (parameters, full-data loss after each epoch)."""
@@ -178,8 +213,15 @@ def start_threads(configs: list[dict], results: dict, events, barrier: bool = Tr
 
     addresses = queue.Queue()
     sync = threading.Barrier(len(configs)) if barrier else None
-    threads = [threading.Thread(target=run_peer, args=(i, config, addresses if i else None, results, sync, events),
-                                kwargs=dict(stop=stop), daemon=True) for i, config in enumerate(configs)]
+    threads = [
+        threading.Thread(
+            target=run_peer,
+            args=(i, config, addresses if i else None, results, sync, events),
+            kwargs=dict(stop=stop),
+            daemon=True,
+        )
+        for i, config in enumerate(configs)
+    ]
     for thread in threads:
         thread.start()
     kind, _, maddrs, _ = events.get(timeout=60)

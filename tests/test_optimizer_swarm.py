@@ -72,19 +72,31 @@ def test_client_mode_and_auxiliary_peers_train_with_the_swarm():
     assert normal["epoch"] == client["epoch"] == 4
     assert same_params(normal, client, atol=1e-6)
     assert normal["rounds"] >= 3 and client["rounds"] >= 3, "the client-mode peer averaged through the other"
-    assert helper["rounds"] >= 1 and helper["epoch"] >= 3, "the auxiliary peer joined rounds and followed epochs"
+    assert helper["rounds"] >= 1 and helper["epoch"] >= 3, (
+        "the auxiliary peer joined rounds and followed epochs"
+    )
     assert not any(helper["contributions"].values()), "it took no batches"
 
 
-@pytest.mark.parametrize("options", [
-    dict(offload_optimizer=False),
-    dict(delay_optimizer_step=True),
-    dict(delay_optimizer_step=True, delay_grad_averaging=True),
-    dict(reuse_grad_buffers=True),
-    dict(delay_state_averaging=False, average_state_every=2),
-    dict(use_local_updates=True),
-], ids=["no-offload", "delay-step", "delay-step-and-grads", "reuse-grad-buffers", "sync-state-every-2",
-        "local-updates"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(offload_optimizer=False),
+        dict(delay_optimizer_step=True),
+        dict(delay_optimizer_step=True, delay_grad_averaging=True),
+        dict(reuse_grad_buffers=True),
+        dict(delay_state_averaging=False, average_state_every=2),
+        dict(use_local_updates=True),
+    ],
+    ids=[
+        "no-offload",
+        "delay-step",
+        "delay-step-and-grads",
+        "reuse-grad-buffers",
+        "sync-state-every-2",
+        "local-updates",
+    ],
+)
 def test_each_update_option_trains_and_keeps_peers_together(options):
     config = dict(target_batch_size=64, epochs=4, options=options, optimizer="Adam", lr=0.01)
     results, events = {}, queue.Queue()
@@ -101,7 +113,7 @@ def test_each_update_option_trains_and_keeps_peers_together(options):
 
 
 def test_grad_scaler_on_cpu():
-    config = dict(target_batch_size=64, epochs=3, grad_scaler=2.0 ** 10, options=dict(reuse_grad_buffers=True))
+    config = dict(target_batch_size=64, epochs=3, grad_scaler=2.0**10, options=dict(reuse_grad_buffers=True))
     results, events = {}, queue.Queue()
     threads, _ = start_threads([config, config], results, events)
     join(threads)
@@ -125,12 +137,22 @@ def test_failed_averaging_proceeds_with_local_gradients_and_says_so(caplog):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigkilled_peer_stalls_nobody_and_leaves_nothing_behind():
-    config = dict(target_batch_size=128, epochs=10**6, step_delay=0.01, deadline=120,
-                  matchmaking_time=1.0, averaging_timeout=10.0)
+    config = dict(
+        target_batch_size=128,
+        epochs=10**6,
+        step_delay=0.01,
+        deadline=120,
+        matchmaking_time=1.0,
+        averaging_timeout=10.0,
+    )
     context = multiprocessing.get_context("spawn")
     results, events, addresses = context.Queue(), context.Queue(), context.Queue()
-    processes = [context.Process(target=run_peer, args=(i, config, addresses if i else None, results, None, events),
-                                 daemon=True) for i in range(3)]
+    processes = [
+        context.Process(
+            target=run_peer, args=(i, config, addresses if i else None, results, None, events), daemon=True
+        )
+        for i in range(3)
+    ]
     for process in processes:
         process.start()
     try:
@@ -144,7 +166,9 @@ def test_sigkilled_peer_stalls_nobody_and_leaves_nothing_behind():
         os.kill(victim.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         victim.join(10)
-        assert not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+        assert (
+            not psutil.pid_exists(victim.pid) or psutil.Process(victim.pid).status() == psutil.STATUS_ZOMBIE
+        )
         # survivors go on: the dead peer's record goes stale within 3 refresh periods (3 s), and a
         # round it was in fails within its sender timeout; bound: twice that, plus two epochs
         epoch_time = killed_at - start

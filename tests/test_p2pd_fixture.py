@@ -15,8 +15,8 @@ PAYLOAD = os.urandom(1 << 20)
     "text, hex_bytes",
     [
         ("/ip4/127.0.0.1/tcp/4001", "047f000001060fa1"),
-        ("/ip4/127.0.0.1/udp/4001/quic-v1", "047f000001" "9102" "0fa1" "cd03"),
-        ("/unix/tmp/p2pd.sock", "9003" "0e" + b"/tmp/p2pd.sock".hex()),
+        ("/ip4/127.0.0.1/udp/4001/quic-v1", "047f00000191020fa1cd03"),
+        ("/unix/tmp/p2pd.sock", "90030e" + b"/tmp/p2pd.sock".hex()),
     ],
 )
 def test_multiaddr_codec_round_trips(text, hex_bytes):

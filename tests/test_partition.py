@@ -12,7 +12,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def make_tensors(sizes, dtypes=(torch.float32,)):
-    return [torch.arange(n, dtype=torch.float64).to(dtypes[i % len(dtypes)]) + 1000 * i for i, n in enumerate(sizes)]
+    return [
+        torch.arange(n, dtype=torch.float64).to(dtypes[i % len(dtypes)]) + 1000 * i
+        for i, n in enumerate(sizes)
+    ]
 
 
 def covered(partition):
@@ -42,7 +45,9 @@ def test_parts_cover_every_element_once_in_order(sizes, fractions, part_size):
         assert sum(p.numel for p in parts) == span
         for k, part in enumerate(parts):
             assert part.index == k and part == partition.part(reducer, k)
-            assert 0 < part.numel and part.numel * tensors[part.tensor_index].element_size() <= max(part_size, 4)
+            assert 0 < part.numel and part.numel * tensors[part.tensor_index].element_size() <= max(
+                part_size, 4
+            )
         start += span
 
 

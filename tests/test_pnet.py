@@ -16,16 +16,24 @@ from hypothesis import strategies as st
 
 from plexus.dht.dht import DHT
 from plexus.p2p.host import DialError, Host
-from plexus.p2p.pnet import (SwarmKeyError, XSalsa20, decode_swarm_key, encode_swarm_key, fingerprint,
-                             generate_swarm_key, load_swarm_key)
+from plexus.p2p.pnet import (
+    SwarmKeyError,
+    XSalsa20,
+    decode_swarm_key,
+    encode_swarm_key,
+    fingerprint,
+    generate_swarm_key,
+    load_swarm_key,
+)
 from plexus.p2p.relay import RelayClient, RelayService
 from plexus.utils.timing import get_dht_time
 
 nacl = pytest.importorskip("nacl.bindings", reason="private networks need PyNaCl (a dependency of plexus)")
 pytestmark = pytest.mark.timeout(60)
 LOCAL = ("/ip4/127.0.0.1/tcp/0",)
-GO_KEY_FILE = ("/key/swarm/psk/1.0.0/\n/base16/\n"
-               "dffb7e3135399a8b1612b2aaca1c36a3a8ac2cd0cca51ceeb2ced87d308cac6d\n")
+GO_KEY_FILE = (
+    "/key/swarm/psk/1.0.0/\n/base16/\ndffb7e3135399a8b1612b2aaca1c36a3a8ac2cd0cca51ceeb2ced87d308cac6d\n"
+)
 
 
 def test_swarm_key_files_in_every_encoding(tmp_path):
@@ -37,9 +45,12 @@ def test_swarm_key_files_in_every_encoding(tmp_path):
     path = tmp_path / "swarm.key"
     path.write_text(GO_KEY_FILE)
     assert load_swarm_key(path) == key and len(fingerprint(key)) == 16
-    for bad, reason in ((b"hello\n/base16/\n00", "first line"),
-                        (GO_KEY_FILE.replace("base16", "base99"), "encoding"),
-                        (GO_KEY_FILE[:-11], "32 bytes"), (GO_KEY_FILE.replace("dffb", "zzzz"), "decode")):
+    for bad, reason in (
+        (b"hello\n/base16/\n00", "first line"),
+        (GO_KEY_FILE.replace("base16", "base99"), "encoding"),
+        (GO_KEY_FILE[:-11], "32 bytes"),
+        (GO_KEY_FILE.replace("dffb", "zzzz"), "decode"),
+    ):
         with pytest.raises(SwarmKeyError, match=reason):
             decode_swarm_key(bad)
     with pytest.raises(SwarmKeyError, match="cannot read"):
@@ -134,8 +145,12 @@ def test_a_private_dht_swarm_stores_and_gets_and_keeps_strangers_out():
         assert second.store("secret", "value", get_dht_time() + 60)
         assert first.get("secret", latest=True).value == "value"
         with pytest.raises(Exception, match="could not reach any initial peer"):
-            DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=list(LOCAL),
-                startup_timeout=15)
+            DHT(
+                initial_peers=first.get_visible_maddrs(),
+                start=True,
+                host_maddrs=list(LOCAL),
+                startup_timeout=15,
+            )
     finally:
         second.shutdown()
         first.shutdown()

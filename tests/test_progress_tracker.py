@@ -21,7 +21,9 @@ LASTING = dict(FAST, max_refresh_period=20.0)  # records published once stay fre
 @pytest.fixture
 def dhts():
     first = DHT(start=True, host_maddrs=LOCAL)
-    peers = [first] + [DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(2)]
+    peers = [first] + [
+        DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(2)
+    ]
     yield peers
     for peer in peers:
         peer.shutdown()
@@ -32,7 +34,9 @@ def test_peers_count_each_other_and_reach_the_target(dhts):
     try:
         for tracker in trackers:
             tracker.report_local_progress(0, 16)
-        wait_until(lambda: all(t.global_progress.num_peers == 3 for t in trackers), 10, message="3 peers seen")
+        wait_until(
+            lambda: all(t.global_progress.num_peers == 3 for t in trackers), 10, message="3 peers seen"
+        )
         assert not trackers[0].ready_to_update_epoch or trackers[0].global_progress.samples_accumulated >= 48
         for tracker in trackers:
             tracker.report_local_progress(0, 32)
@@ -106,8 +110,14 @@ class Forger:
         private_key = PrivateKey.generate()
         signer = Ed25519SignatureValidator(private_key)
         self.dht.add_validators([signer])
-        record = dict(peer_id=private_key.peer_id.to_bytes(), epoch=0, samples_accumulated=5,
-                      samples_per_second=1.0, time=get_dht_time(), client_mode=False)
+        record = dict(
+            peer_id=private_key.peer_id.to_bytes(),
+            epoch=0,
+            samples_accumulated=5,
+            samples_per_second=1.0,
+            time=get_dht_time(),
+            client_mode=False,
+        )
         record.update(fields)
         self.count += 1
         self.dht.store(self.key, record, expiration or get_dht_time() + 30, subkey=signer.local_public_key)
@@ -122,12 +132,23 @@ def test_signed_records_that_break_a_bound_or_the_schema_are_ignored(dhts):
         honest.performance_ema.samples_per_second = 1.0
         honest.report_local_progress(0, 10, update_global_samples=False)
         now = get_dht_time()
-        for forgery in [dict(samples_per_second=1e300), dict(samples_accumulated=10**12),
-                        dict(time=now + 1e6), dict(peer_id=dhts[2].peer_id.to_bytes()),
-                        dict(expiration=now + 1000), dict(extra_field=1), dict(samples_accumulated=-5),
-                        dict(epoch=-1), dict(samples_per_second=-1.0), dict(samples_per_second=float("nan")),
-                        dict(time=float("inf")), dict(epoch="0"), dict(epoch=0.0), dict(client_mode=0),
-                        dict(peer_id="text")]:
+        for forgery in [
+            dict(samples_per_second=1e300),
+            dict(samples_accumulated=10**12),
+            dict(time=now + 1e6),
+            dict(peer_id=dhts[2].peer_id.to_bytes()),
+            dict(expiration=now + 1000),
+            dict(extra_field=1),
+            dict(samples_accumulated=-5),
+            dict(epoch=-1),
+            dict(samples_per_second=-1.0),
+            dict(samples_per_second=float("nan")),
+            dict(time=float("inf")),
+            dict(epoch="0"),
+            dict(epoch=0.0),
+            dict(client_mode=0),
+            dict(peer_id="text"),
+        ]:
             forged_subkeys.append(forger.publish(**forgery))
         forger.publish()  # in bounds, stored last: once it is counted, every forgery before it was seen
         wait_until(lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10, message="control")
@@ -151,8 +172,9 @@ def test_one_outlier_in_bounds_cannot_move_the_count_or_the_eta(dhts):
         honest.performance_ema.samples_per_second = 10.0
         honest.report_local_progress(0, 10, update_global_samples=False)
         forger.publish(samples_accumulated=3000, samples_per_second=900_000.0)  # within the bounds
-        wait_until(lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10,
-                   message="outlier seen")
+        wait_until(
+            lambda: honest.fetch_global_progress_now(timeout=10).num_peers == 2, 10, message="outlier seen"
+        )
         progress = honest.global_progress
         assert progress.samples_accumulated <= 10 + 4 * 10, "counts at most outlier_factor x the lower median"
         assert not honest.ready_to_update_epoch
@@ -201,8 +223,11 @@ def test_a_plain_value_cannot_erase_the_signed_progress(dhts):
         dhts[2].store(trackers[0].training_progress_key, {}, get_dht_time() + 3600)  # unsigned, far ahead
         for tracker in trackers:
             tracker.report_local_progress(0, 20)
-        wait_until(lambda: all(t.global_progress.samples_accumulated == 40 for t in trackers), 10,
-                   message="both peers still publish and read each other")
+        wait_until(
+            lambda: all(t.global_progress.samples_accumulated == 40 for t in trackers),
+            10,
+            message="both peers still publish and read each other",
+        )
         assert isinstance(dhts[0].get(trackers[0].training_progress_key, latest=True).value, dict)
     finally:
         for tracker in trackers:
@@ -218,8 +243,11 @@ def test_a_passed_eta_alone_does_not_make_a_peer_ready(dhts):
         wait_until(lambda: get_dht_time() > progress.eta_next_epoch, 5, message="the ETA passed")
         assert not tracker.ready_to_update_epoch, "10 of 1000 samples: not ready, whatever the prediction"
         tracker.report_local_progress(0, 1000, update_global_samples=False)
-        wait_until(lambda: tracker.fetch_global_progress_now(timeout=10).samples_accumulated == 1000, 5,
-                   message="the target reported")
+        wait_until(
+            lambda: tracker.fetch_global_progress_now(timeout=10).samples_accumulated == 1000,
+            5,
+            message="the target reported",
+        )
         assert tracker.ready_to_update_epoch
     finally:
         tracker.shutdown()

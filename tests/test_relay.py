@@ -102,8 +102,10 @@ def test_private_peers_reach_each_other_through_the_relay():
             assert a.get_visible_maddrs() == [swarm.circuit(a)]
             # The reservation is pushed to connected peers (identify push), so the relay's peer store,
             # and through it the DHT, learns A's circuit address.
-            await wait_until(lambda: swarm.circuit(a).without_peer_id() in swarm.relay.peer_info(a.peer_id).addrs,
-                             "the relay to learn A's circuit address")
+            await wait_until(
+                lambda: swarm.circuit(a).without_peer_id() in swarm.relay.peer_info(a.peer_id).addrs,
+                "the relay to learn A's circuit address",
+            )
             stream = await b.new_stream(swarm.circuit(a), ECHO, timeout=TIMEOUT)
             payload = os.urandom(600_000)
             assert await echo_roundtrip(stream, payload) == payload
@@ -127,8 +129,11 @@ def test_voucher_is_signed_by_the_relay_for_the_reserving_peer():
             a, client = await swarm.private()
             reservation = client.reservations[swarm.relay.peer_id]
             voucher = core.open_voucher(reservation.voucher)
-            assert (voucher.relay, voucher.peer, voucher.expiration) == (swarm.relay.peer_id, a.peer_id,
-                                                                       reservation.expire)
+            assert (voucher.relay, voucher.peer, voucher.expiration) == (
+                swarm.relay.peer_id,
+                a.peer_id,
+                reservation.expire,
+            )
             tampered = bytearray(reservation.voucher)
             tampered[-1] ^= 1
             with pytest.raises(core.RemoteProtocolError):
@@ -240,7 +245,9 @@ def test_stop_handler_refuses_strangers_and_garbage():
             # A stranger (not a relay A reserved on) opens a stop stream straight to A: refused.
             await stranger.connect(swarm.circuit(a), timeout=TIMEOUT)
             stream = await stranger.new_stream(a.peer_id, core.STOP_PROTOCOL, timeout=TIMEOUT)
-            await write_delimited(stream, core.encode_stop(StopMessage(StopType.CONNECT, peer=stranger.peer_id)))
+            await write_delimited(
+                stream, core.encode_stop(StopMessage(StopType.CONNECT, peer=stranger.peer_id))
+            )
             assert core.decode_stop(await read_message(stream)).status is Status.PERMISSION_DENIED
             # Garbage from the relay itself gets MALFORMED_MESSAGE.
             stream = await swarm.relay.new_stream(a.peer_id, core.STOP_PROTOCOL, timeout=TIMEOUT)
@@ -280,8 +287,9 @@ def test_reservation_is_renewed_after_the_relay_connection_drops():
             a, client = await swarm.private(renew_period=0.2)
             await swarm.relay.disconnect(a.peer_id)
             deadline = asyncio.get_running_loop().time() + TIMEOUT
-            while swarm.relay.get_connection(a.peer_id) is None or not swarm.service.resources.has_reservation(
-                    a.peer_id, time.time()):
+            while swarm.relay.get_connection(
+                a.peer_id
+            ) is None or not swarm.service.resources.has_reservation(a.peer_id, time.time()):
                 assert asyncio.get_running_loop().time() < deadline, "reservation was not renewed"
                 await asyncio.sleep(0.02)  # poll with a deadline
             b, _ = await swarm.private(reserve=False)

@@ -7,8 +7,17 @@ from hypothesis import strategies as st
 from plexus.p2p.identity import PrivateKey
 from plexus.p2p.protocols import relay as core
 from plexus.p2p.protocols.errors import RemoteProtocolError
-from plexus.p2p.protocols.relay import (HopMessage, HopType, Limit, RelayLimits, RelayResources, Reservation,
-                                        Status, StopMessage, StopType)
+from plexus.p2p.protocols.relay import (
+    HopMessage,
+    HopType,
+    Limit,
+    RelayLimits,
+    RelayResources,
+    Reservation,
+    Status,
+    StopMessage,
+    StopType,
+)
 
 A, B, C = (PrivateKey.from_seed(bytes([i]) * 32).peer_id for i in (1, 2, 3))
 
@@ -17,14 +26,20 @@ def test_hop_and_stop_messages_roundtrip():
     messages = [
         HopMessage(HopType.RESERVE),
         HopMessage(HopType.CONNECT, peer=A, peer_addrs=(b"\x04\x7f\x00\x00\x01",)),
-        HopMessage(HopType.STATUS, status=Status.OK, reservation=Reservation(1234, (b"addr",), b"v"),
-                   limit=Limit(120, 1 << 20)),
+        HopMessage(
+            HopType.STATUS,
+            status=Status.OK,
+            reservation=Reservation(1234, (b"addr",), b"v"),
+            limit=Limit(120, 1 << 20),
+        ),
         HopMessage(HopType.STATUS, status=Status.NO_RESERVATION),
     ]
     for message in messages:
         assert core.decode_hop(core.encode_hop(message)) == message
-    for message in [StopMessage(StopType.CONNECT, peer=B, limit=Limit(0, 5)),
-                    StopMessage(StopType.STATUS, status=Status.CONNECTION_FAILED)]:
+    for message in [
+        StopMessage(StopType.CONNECT, peer=B, limit=Limit(0, 5)),
+        StopMessage(StopType.STATUS, status=Status.CONNECTION_FAILED),
+    ]:
         assert core.decode_stop(core.encode_stop(message)) == message
 
 
@@ -37,18 +52,21 @@ def test_wire_bytes_match_the_spec_field_numbers():
     assert core.decode_hop(b"\x08\x02\x22\x00\x28\x64").limit == Limit(0, 0)
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"", "type"),
-    (b"\x08\x09", "type"),
-    (b"\x08\x01", "no target"),
-    (b"\x08\x02", "no status"),
-    (b"\x08\x02\x28\x07", "unknown status"),
-    (b"\x08\x02\x28\x64\x1a\x00", "expiration"),
-    (b"\x08\x00\x12\x02\x0a\x00", "peer id"),
-    (b"\x0a", "malformed"),
-    (b"\x08" + b"\x80" * 12, "malformed"),
-    (b"\x00" * 5000, "exceeds"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "type"),
+        (b"\x08\x09", "type"),
+        (b"\x08\x01", "no target"),
+        (b"\x08\x02", "no status"),
+        (b"\x08\x02\x28\x07", "unknown status"),
+        (b"\x08\x02\x28\x64\x1a\x00", "expiration"),
+        (b"\x08\x00\x12\x02\x0a\x00", "peer id"),
+        (b"\x0a", "malformed"),
+        (b"\x08" + b"\x80" * 12, "malformed"),
+        (b"\x00" * 5000, "exceeds"),
+    ],
+)
 def test_malformed_hop_messages_raise_remote_errors(data, reason):
     with pytest.raises(RemoteProtocolError, match=reason):
         core.decode_hop(data)

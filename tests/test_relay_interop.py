@@ -36,8 +36,11 @@ def test_our_private_peer_reserves_on_a_go_relay_and_is_dialed_through_it(p2pd_f
         try:
             reservation = await client_a.reserve(daemon.maddrs[0])
             voucher = core.open_voucher(reservation.voucher)  # go-libp2p signs it; we verify it
-            assert (voucher.relay, voucher.peer, voucher.expiration) == (daemon.peer_id, a.peer_id,
-                                                                       reservation.expire)
+            assert (voucher.relay, voucher.peer, voucher.expiration) == (
+                daemon.peer_id,
+                a.peer_id,
+                reservation.expire,
+            )
             assert reservation.limit is not None  # go-libp2p relays are "limited" relays
             circuit = a.get_visible_maddrs()[0]
             assert str(circuit) == f"{daemon.maddrs[0]}/p2p-circuit/p2p/{a.peer_id}"

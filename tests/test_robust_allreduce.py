@@ -54,8 +54,9 @@ ATTACKS = {
 }
 
 
-async def round_with(swarm, tensor_sets, *, faulty=None, cls=None, weights=None, modes=None, fractions=None,
-                     **options):
+async def round_with(
+    swarm, tensor_sets, *, faulty=None, cls=None, weights=None, modes=None, fractions=None, **options
+):
     """One round of every peer; peer `faulty` runs `cls`."""
     n = len(tensor_sets)
     fractions = fractions or [1] * n
@@ -64,9 +65,18 @@ async def round_with(swarm, tensor_sets, *, faulty=None, cls=None, weights=None,
         honest = runners[faulty]
         options.pop("group_id", None)
         outputs = options.pop("outputs", None)
-        runners[faulty] = cls(honest.host, honest.group_id, tensor_sets[faulty], swarm.peer_ids,
-                              fractions or [1] * n, modes, honest.weight, part_size_bytes=1024,
-                              outputs=outputs and outputs[faulty], **options)
+        runners[faulty] = cls(
+            honest.host,
+            honest.group_id,
+            tensor_sets[faulty],
+            swarm.peer_ids,
+            fractions or [1] * n,
+            modes,
+            honest.weight,
+            part_size_bytes=1024,
+            outputs=outputs and outputs[faulty],
+            **options,
+        )
     return await swarm.run(runners)
 
 
@@ -80,7 +90,7 @@ def partition_of(swarm, fractions):
 
 
 def part_values(tensor_list, part) -> torch.Tensor:
-    return tensor_list[part.tensor_index].view(-1)[part.start:part.stop].double()
+    return tensor_list[part.tensor_index].view(-1)[part.start : part.stop].double()
 
 
 @pytest.mark.parametrize("compression", [None, Float16Compression()], ids=["plain", "float16"])
@@ -95,8 +105,14 @@ def test_honest_robust_rounds_give_the_plain_mean_and_pass_verification(compress
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             options = dict(robust=ROBUST, compression=compression or NoCompression())
             fractions = [1, 2, 0, 1]
-            reports = await round_with(swarm, tensor_sets, modes=[NODE, NODE, CLIENT, AUX],
-                                       fractions=fractions, weights=[1.0, 2.0, 1.0, 0.0], **options)
+            reports = await round_with(
+                swarm,
+                tensor_sets,
+                modes=[NODE, NODE, CLIENT, AUX],
+                fractions=fractions,
+                weights=[1.0, 2.0, 1.0, 0.0],
+                **options,
+            )
             assert all(report.complete for report in reports), reports
             mean = weighted_mean(originals[:3], [1.0, 1.0, 1.0])  # robust rounds count every member once
             tolerance = 1e-5 if compression is None else 2**-9
@@ -147,8 +163,9 @@ def test_robust_rounds_bound_what_one_member_can_do(attack):
             tensor_sets = [tensors(seed) for seed in range(4)]
             originals = [[t.clone() for t in ts] for ts in tensor_sets]
             Attacker.attack = staticmethod(ATTACKS[attack])
-            reports = await round_with(swarm, tensor_sets, faulty=3, cls=Attacker, robust=ROBUST,
-                                       weights=[1.0, 1.0, 1.0, 1e9])  # robust rounds count everyone once
+            reports = await round_with(
+                swarm, tensor_sets, faulty=3, cls=Attacker, robust=ROBUST, weights=[1.0, 1.0, 1.0, 1e9]
+            )  # robust rounds count everyone once
             assert all(not report.discarded_parts for report in reports[:3]), "honest reducers pass"
             mean = weighted_mean(originals[:3], [1.0] * 3)
             spread = max(distance(ts, mean) for ts in originals[:3])
@@ -169,8 +186,14 @@ def test_weights_are_bounded_relative_to_the_group_and_by_the_callers_limits():
             assert distance(tensor_sets[0], bounded) <= 1e-4
             tensor_sets = [[t.clone() for t in ts] for ts in originals]
             limits = {swarm.peer_ids[3]: 2.0}
-            await round_with(swarm, tensor_sets, weights=[1.0, 1.0, 1.0, 1e9], weight_limits=limits,
-                             max_weight_ratio=4.0, group_id=b"group-2")
+            await round_with(
+                swarm,
+                tensor_sets,
+                weights=[1.0, 1.0, 1.0, 1e9],
+                weight_limits=limits,
+                max_weight_ratio=4.0,
+                group_id=b"group-2",
+            )
             assert distance(tensor_sets[1], weighted_mean(originals, [1.0, 1.0, 1.0, 2.0])) <= 1e-4
 
     run(main(), 50)
@@ -195,8 +218,9 @@ def test_a_reducer_that_answers_wrongly_is_caught_and_its_parts_discarded(compre
                 for part in partition.parts(2):  # an honest span: averaged
                     exact = part_values(mean, part)
                     if part.numel >= 64:
-                        assert float((part_values(tensor_sets[i], part) - exact).abs().max()) \
-                            <= 2e-3 * float(exact.abs().max())
+                        assert float((part_values(tensor_sets[i], part) - exact).abs().max()) <= 2e-3 * float(
+                            exact.abs().max()
+                        )
 
     run(main(), 50)
 
@@ -212,8 +236,14 @@ def test_nonfinite_answers_fail_the_span_and_leave_local_values():
                 tensor_sets = [tensors(seed) for seed in range(3)]
                 originals = [[t.clone() for t in ts] for ts in tensor_sets]
                 outputs = [[torch.zeros_like(t) for t in ts] for ts in tensor_sets] if separate else None
-                reports = await round_with(swarm, tensor_sets, faulty=2, cls=NaNReducer, outputs=outputs,
-                                           group_id=b"nan-%d" % separate)
+                reports = await round_with(
+                    swarm,
+                    tensor_sets,
+                    faulty=2,
+                    cls=NaNReducer,
+                    outputs=outputs,
+                    group_id=b"nan-%d" % separate,
+                )
                 for i in (0, 1):
                     (failure,) = reports[i].failed_spans
                     assert failure.reducer == swarm.peer_ids[2] and "NaN or inf" in failure.reason

@@ -92,8 +92,12 @@ def test_server_client_and_bidirectional_streaming():
             for i in range(8):
                 yield bytes([i]) * (1 << 20)
 
-        got = [r async for r in rpc.call_stream(a, b.peer_id, "/test/double/1.0.0", big_parts(), timeout=10,
-                                                max_message_size=4 << 20)]
+        got = [
+            r
+            async for r in rpc.call_stream(
+                a, b.peer_id, "/test/double/1.0.0", big_parts(), timeout=10, max_message_size=4 << 20
+            )
+        ]
         assert [len(r) for r in got] == [2 << 20] * 8 and [r[0] for r in got] == list(range(8))
         await a.shutdown()
         await b.shutdown()
@@ -117,8 +121,9 @@ def test_chunks_deliver_each_message_as_uncopied_pieces():
         rpc.add_handler(b, "/test/chunks/1.0.0", send_all, stream_output=True, max_message_size=4 << 20)
         got = []
         with pytest.raises(rpc.RPCError, match="that was all"):
-            async for chunks in rpc.call_stream(a, b.peer_id, "/test/chunks/1.0.0", b"go", rpc.Chunks,
-                                                timeout=10, max_message_size=4 << 20):
+            async for chunks in rpc.call_stream(
+                a, b.peer_id, "/test/chunks/1.0.0", b"go", rpc.Chunks, timeout=10, max_message_size=4 << 20
+            ):
                 assert isinstance(chunks, list)
                 got.append(b"".join(chunks))
         assert got == payloads

@@ -71,8 +71,15 @@ def test_volunteer_sessions_are_heavy_tailed_around_the_median():
 
 
 def small_swarm(**changes) -> DHTSwarm:
-    options = SwarmOptions(peers=150, duration=600.0, store_interval=120.0, get_interval=120.0,
-                           record_ttl=400.0, seed=7, internet=InternetOptions(median_session=600.0))
+    options = SwarmOptions(
+        peers=150,
+        duration=600.0,
+        store_interval=120.0,
+        get_interval=120.0,
+        record_ttl=400.0,
+        seed=7,
+        internet=InternetOptions(median_session=600.0),
+    )
     swarm = DHTSwarm(SwarmOptions(**{**vars(options), **changes}))
     swarm.run()
     return swarm
@@ -97,8 +104,10 @@ def test_a_small_swarm_under_churn_stores_finds_and_replaces_its_peers():
 @pytest.mark.timeout(60)
 def test_the_same_seed_gives_the_same_run():
     first, second = small_swarm(peers=60, duration=200.0), small_swarm(peers=60, duration=200.0)
-    summary = [[(op.kind, op.ok, round(op.stats.seconds, 9), op.stats.requests) for op in swarm.operations]
-               for swarm in (first, second)]
+    summary = [
+        [(op.kind, op.ok, round(op.stats.seconds, 9), op.stats.requests) for op in swarm.operations]
+        for swarm in (first, second)
+    ]
     assert summary[0] == summary[1] and summary[0]
 
 

@@ -288,6 +288,7 @@ def test_all_donors_failing_gives_a_clear_error_within_the_deadline():
             liars = [await share(a, (metadata, tensors)), await share(b, (metadata, tensors))]
             serve = StateSharing._chunk_payload
             for liar in liars:
+
                 def zero_first_byte(snapshot, index, liar=liar):
                     return b"\x00" + bytes(serve(liar, snapshot, index))[1:]
 
@@ -404,20 +405,20 @@ def test_garbage_requests_get_errors_and_the_donor_keeps_serving():
                 return frames
 
             for garbage in (b"", b"\xff\x00garbage", b"\x93\x01\x02\x03", StateRequest("x", 0).encode()[:-1]):
-                (kind, text), = await ask(garbage)
+                ((kind, text),) = await ask(garbage)
                 assert kind == rpc.ERROR and b"bad state request" in text
-            (kind, _), = await ask(b"an error frame as a request", rpc.ERROR)
+            ((kind, _),) = await ask(b"an error frame as a request", rpc.ERROR)
             assert kind == rpc.ERROR
-            (kind, payload), = await ask(StateRequest("other_prefix", RequestKind.MANIFEST).encode())
+            ((kind, payload),) = await ask(StateRequest("other_prefix", RequestKind.MANIFEST).encode())
             assert StateReply.decode(payload).status == ReplyStatus.NOT_SHARING
             chunks = StateRequest(PREFIX, RequestKind.CHUNKS, b"s" * 16, (0,))
-            (kind, payload), = await ask(chunks.encode())
+            ((kind, payload),) = await ask(chunks.encode())
             assert StateReply.decode(payload).status == ReplyStatus.UNKNOWN_SNAPSHOT
-            (kind, payload), = await ask(StateRequest(PREFIX, RequestKind.MANIFEST).encode())
+            ((kind, payload),) = await ask(StateRequest(PREFIX, RequestKind.MANIFEST).encode())
             manifest = StateReply.decode(payload).manifest
             snapshot_id = manifest.snapshot_id
             out_of_range = StateRequest(PREFIX, RequestKind.CHUNKS, snapshot_id, (manifest.num_chunks,))
-            (kind, text), = await ask(out_of_range.encode())
+            ((kind, text),) = await ask(out_of_range.encode())
             assert kind == rpc.ERROR and b"out of range" in text
             frames = await ask(StateRequest(PREFIX, RequestKind.CHUNKS, snapshot_id, (1, 0)).encode())
             digests = [hashlib.sha256(payload).digest() for _, payload in frames[1:]]
@@ -440,8 +441,9 @@ def test_a_crowd_costs_one_snapshot_and_busy_donors_are_retried():
                 calls.append(1)
                 return metadata, tensors
 
-            sharing = await StateSharing(donor.host, donor.node, PREFIX, get_state, chunk_size_bytes=CHUNK,
-                                         max_concurrent_uploads=1).start()
+            sharing = await StateSharing(
+                donor.host, donor.node, PREFIX, get_state, chunk_size_bytes=CHUNK, max_concurrent_uploads=1
+            ).start()
             results = await asyncio.gather(*(load(p) for p in crowd))
             for _, loaded in results:
                 assert_same(tensors, loaded)
@@ -545,15 +547,23 @@ def test_declarations_parse_defensively():
     peer = Host().peer_id.to_bytes()
     assert parse_declaration(peer, 3).priority == 3.0
     assert parse_declaration(peer, (2, [b"\x00junk", b"x" * 1000])).addrs == ()
-    for subkey, value in ((b"not a peer id", 1), ("str", 1), (peer, None), (peer, True), (peer, float("inf")),
-                          (peer, "high"), (peer, (1, 2, 3))):
+    for subkey, value in (
+        (b"not a peer id", 1),
+        ("str", 1),
+        (peer, None),
+        (peer, True),
+        (peer, float("inf")),
+        (peer, "high"),
+        (peer, (1, 2, 3)),
+    ):
         assert parse_declaration(subkey, value) is None
 
 
 def test_chunk_board_dedups_claims_and_releases():
     digests = [hashlib.sha256(bytes([i % 3])).digest() for i in range(6)]  # three distinct chunks
-    manifest = StateManifest(b"i" * 16, b"", (TensorHeader((6 * 4096,), "uint8", 0, False, 6 * 4096),), 4096,
-                             b"".join(digests))
+    manifest = StateManifest(
+        b"i" * 16, b"", (TensorHeader((6 * 4096,), "uint8", 0, False, 6 * 4096),), 4096, b"".join(digests)
+    )
     board = _ChunkBoard(manifest, {digests[2]: b"already"})
     assert board.total == 2
     everything = {d: i for i, d in enumerate(digests)}
@@ -570,6 +580,7 @@ def test_chunk_board_dedups_claims_and_releases():
 def test_newcomer_takes_the_newest_state_even_when_its_declaration_lags():
     """Right after a step the DHT may still show the old epoch for every donor: what each donor's
     manifest states decides, whatever the random order among equal declarations."""
+
     async def main():
         async with swarm(3) as (a, b, newcomer):
             old, new = make_state(0), make_state(1)
@@ -603,6 +614,7 @@ def test_newcomer_takes_the_newest_state_even_when_its_declaration_lags():
 def test_every_download_after_a_change_gets_the_current_state():
     """A donor never serves a snapshot of a state that has changed since (in-place writes count),
     keeps at most MAX_SNAPSHOTS, and reuses the newest while the state stands still."""
+
     async def main():
         async with swarm(2) as (donor, newcomer):
             metadata, tensors = make_state()
@@ -657,8 +669,9 @@ def test_stated_priority_tells_what_a_donor_would_serve():
             assert await stated_priority(reader.host, PREFIX, donor.host.peer_id, timeout=5) == 5
             sharing.priority = 6
             assert await stated_priority(reader.host, PREFIX, donor.host.peer_id, timeout=5) == 6
-            assert await stated_priority(reader.host, PREFIX, other.host.peer_id, timeout=5) is None, \
+            assert await stated_priority(reader.host, PREFIX, other.host.peer_id, timeout=5) is None, (
                 "a peer that shares no state confirms nothing"
+            )
             await sharing.shutdown()
 
     run(main())

@@ -38,22 +38,39 @@ def members(n=4, numel=256, seed=0, outlier=None):
     return values
 
 
-def judge(values, result, radius, weights=None, *, dtype=torch.float32, compression=CompressionType.NONE,
-          given=None, radii=None, expected=None, skip=(), seed=None, applied_by=None):
+def judge(
+    values,
+    result,
+    radius,
+    weights=None,
+    *,
+    dtype=torch.float32,
+    compression=CompressionType.NONE,
+    given=None,
+    radii=None,
+    expected=None,
+    skip=(),
+    seed=None,
+    applied_by=None,
+):
     """Every member reports on span 1 (its one part) to a verifier; returns the verdict's bad parts."""
     n = values.shape[0]
     weights = weights if weights is not None else [1.0] * n
     seed = seed or os.urandom(32)  # tests that count misses pass fixed seeds: the counts are then exact
     z = direction(seed, 1, 0, values.shape[1])
     precision = PartPrecision.of(dtype, compression)
-    verifier = Verifier(0, NUM_PARTS, expected or dict(enumerate(weights)), OPTIONS,
-                        lambda span, part: precision)
+    verifier = Verifier(
+        0, NUM_PARTS, expected or dict(enumerate(weights)), OPTIONS, lambda span, part: precision
+    )
     for i in range(n):
         if i in skip:
             continue
         applied = (applied_by or {}).get(i, result).to(dtype) if radius else values[i]
-        row = part_row(values[i].to(dtype), applied, (radii or {}).get(i, radius), z) if radius \
+        row = (
+            part_row(values[i].to(dtype), applied, (radii or {}).get(i, radius), z)
+            if radius
             else (0.0, 0.0, 0.0, 0.0)
+        )
         weight = (given or {}).get(i, weights[i])
         verifier.add(i, encode_report([0.0, weight], [[], [row]]))
     verdict = verifier.verdict()
@@ -154,8 +171,9 @@ def test_weights_shifted_by_the_reducer_fail_even_if_consistent():
     values = members()
     made_up = torch.tensor([1.0, 1.0, 1.0, 3.0])
     result = centered_clip(values, made_up)
-    bad, reason = judge(values, result.center, result.radius, weights=made_up.tolist(),
-                        expected=dict.fromkeys(range(4), 1.0))
+    bad, reason = judge(
+        values, result.center, result.radius, weights=made_up.tolist(), expected=dict.fromkeys(range(4), 1.0)
+    )
     assert bad == [0] and "weight 3.0" in reason
 
 

@@ -23,8 +23,14 @@ from plexus.testing import wait_until
 from plexus.testing.netns import emit, list_namespaces, namespace_pids
 from plexus.testing.wan import PROFILES, LinkProfile, PathModel, WanLab
 from plexus.testing.wan.__main__ import main as wan_cli
-from plexus.testing.wan.forwarder import (GSO_TCPV4, NEEDS_CSUM, VNET_HEADER, DelayLine, split_tcp,
-                                          tcp_segments)
+from plexus.testing.wan.forwarder import (
+    GSO_TCPV4,
+    NEEDS_CSUM,
+    VNET_HEADER,
+    DelayLine,
+    split_tcp,
+    tcp_segments,
+)
 from plexus.testing.wan.measure import MeasureOptions, PathProber, steady_rate
 from plexus.testing.wan.profiles import parse_duration, parse_loss, parse_rate
 from plexus.testing.wan.scenario import scenario_from_config
@@ -42,8 +48,9 @@ def packet(src: str, dst: str, payload: bytes = b"") -> bytes:
 
 
 def test_delay_line_holds_each_packet_for_its_paths_delay():
-    line = DelayLine([("10.0.0.1", "10.0.0.2", 0.030, 0.0, 0.0), ("10.0.0.2", "10.0.0.1", 0.010, 0.0, 0.0)],
-                     tick=1e-4)
+    line = DelayLine(
+        [("10.0.0.1", "10.0.0.2", 0.030, 0.0, 0.0), ("10.0.0.2", "10.0.0.1", 0.010, 0.0, 0.0)], tick=1e-4
+    )
     line.push(packet("10.0.0.1", "10.0.0.2", b"ab"), now=1.0)
     line.push(packet("10.0.0.2", "10.0.0.1", b"ba"), now=1.0)
     line.push(packet("10.0.0.9", "10.0.0.1", b"unknown"), now=1.0)
@@ -116,7 +123,7 @@ def super_packet(payload: bytes, segment: int, flags: int = 0x18 | 0x01 | 0x80) 
 def ones_complement_sum(data: bytes) -> int:
     if len(data) % 2:
         data += b"\0"
-    total = sum(int.from_bytes(data[i:i + 2], "big") for i in range(0, len(data), 2))
+    total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
     while total > 0xFFFF:
         total = (total & 0xFFFF) + (total >> 16)
     return total
@@ -187,14 +194,20 @@ def test_figures_read_like_people_write_them():
 
 
 def test_scenario_config_names_peers_groups_and_pairs():
-    scenario = scenario_from_config({
-        "mtu": 9000,
-        "profiles": {"fiber": {"base": "home", "down": "1gbit", "up": "500mbit"}},
-        "peers": {"server": "datacenter", "home": {"profile": "fiber", "count": 2},
-                  "laptop": {"profile": "notebook", "loss": "1%"}, "phone": "notebook"},
-        "measure": {"pairs": [["server", "home"], ["laptop", "phone"]], "tcp_seconds": 1},
-        "run": [{"peers": ["home"], "command": "python peer.py"}],
-    })
+    scenario = scenario_from_config(
+        {
+            "mtu": 9000,
+            "profiles": {"fiber": {"base": "home", "down": "1gbit", "up": "500mbit"}},
+            "peers": {
+                "server": "datacenter",
+                "home": {"profile": "fiber", "count": 2},
+                "laptop": {"profile": "notebook", "loss": "1%"},
+                "phone": "notebook",
+            },
+            "measure": {"pairs": [["server", "home"], ["laptop", "phone"]], "tcp_seconds": 1},
+            "run": [{"peers": ["home"], "command": "python peer.py"}],
+        }
+    )
     assert list(scenario.peers) == ["server", "home1", "home2", "laptop", "phone"]
     assert scenario.peers["home1"].down == 1e9 and scenario.peers["home1"].rtt == PROFILES["home"].rtt
     assert scenario.peers["laptop"].loss == 0.01 and scenario.peers["laptop"].nat
@@ -205,18 +218,21 @@ def test_scenario_config_names_peers_groups_and_pairs():
     assert scenario_from_config({"peers": {"a": "home", "b": "home"}}).pairs == [("a", "b")]  # the star
 
 
-@pytest.mark.parametrize("config, complaint", [
-    ({}, "needs a \\[peers\\] table"),
-    ({"peers": {"a": "fibre"}}, "unknown link profile 'fibre'"),
-    ({"peers": {"a": {"profile": "home", "speed": 3}}}, "unknown field"),
-    ({"peers": {"a": "home"}, "mtu": 100}, "mtu must be within"),
-    ({"peers": {"a": "home"}, "colour": "red"}, "unknown key"),
-    ({"peers": {"a": {"profile": "home", "count": 0}}}, "count must be a positive integer"),
-    ({"peers": {"a": "home"}, "measure": {"pairs": [["a", "z"]]}}, "no peer or group 'z'"),
-    ({"peers": {"a": "home"}, "profiles": {"x": {"down": "1gbit"}}}, "needs \\['rtt', 'up'\\]"),
-    ({"peers": {"a": {"profile": "home", "loss": 2}}}, "loss must be within"),
-    ({"peers": {"a": "home"}, "run": [{"command": []}]}, "command"),
-])
+@pytest.mark.parametrize(
+    "config, complaint",
+    [
+        ({}, "needs a \\[peers\\] table"),
+        ({"peers": {"a": "fibre"}}, "unknown link profile 'fibre'"),
+        ({"peers": {"a": {"profile": "home", "speed": 3}}}, "unknown field"),
+        ({"peers": {"a": "home"}, "mtu": 100}, "mtu must be within"),
+        ({"peers": {"a": "home"}, "colour": "red"}, "unknown key"),
+        ({"peers": {"a": {"profile": "home", "count": 0}}}, "count must be a positive integer"),
+        ({"peers": {"a": "home"}, "measure": {"pairs": [["a", "z"]]}}, "no peer or group 'z'"),
+        ({"peers": {"a": "home"}, "profiles": {"x": {"down": "1gbit"}}}, "needs \\['rtt', 'up'\\]"),
+        ({"peers": {"a": {"profile": "home", "loss": 2}}}, "loss must be within"),
+        ({"peers": {"a": "home"}, "run": [{"command": []}]}, "command"),
+    ],
+)
 def test_bad_scenarios_say_what_is_wrong(config, complaint):
     with pytest.raises(UsageError, match=complaint):
         scenario_from_config(config)
@@ -322,8 +338,15 @@ def lab_peer_main(argv: list[str]) -> None:
 
     wait_until(all_found, timeout=60, interval=0.2, message="every peer's record is found")
     tensor = torch.full((1000,), float(names.index(me) + 1))
-    averager = DecentralizedAverager([tensor], dht, prefix="wanlab", target_group_size=3,
-                                     min_matchmaking_time=3.0, request_timeout=3.0, start=True)
+    averager = DecentralizedAverager(
+        [tensor],
+        dht,
+        prefix="wanlab",
+        target_group_size=3,
+        min_matchmaking_time=3.0,
+        request_timeout=3.0,
+        start=True,
+    )
     group = averager.step(timeout=90)
     with averager.get_tensors() as tensors:
         averaged = float(tensors[0].mean())
@@ -350,8 +373,13 @@ def _start_scenario(tmp_path) -> tuple[subprocess.Popen, str, dict[str, list[int
     """Run a scenario whose programs wait forever; return it, its namespace tag and their pids."""
     path = tmp_path / "scenario.toml"
     path.write_text(KILL_SCENARIO)
-    runner = subprocess.Popen([sys.executable, "-m", "plexus.testing.wan", str(path)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "plexus.testing.wan", str(path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = runner.stdout.readline()  # "lab pxwan-<pid>-0-* is up: ..."
     assert " is up:" in line, (line, runner.stderr.read() if runner.poll() is not None else "")
     tag = line.split()[1].rstrip("*")
@@ -377,8 +405,9 @@ def _running(pid: int) -> bool:
 def _assert_nothing_left(tag: str, pids: dict[str, list[int]]) -> None:
     assert not [name for name in list_namespaces() if name.startswith(tag)]
     every = [pid for group in pids.values() for pid in group]
-    wait_until(lambda: not any(map(_running, every)), timeout=10,
-               message=f"the lab's processes {every} have ended")
+    wait_until(
+        lambda: not any(map(_running, every)), timeout=10, message=f"the lab's processes {every} have ended"
+    )
 
 
 @pytest.mark.timeout(120)

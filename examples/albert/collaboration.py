@@ -63,8 +63,19 @@ class LossMeter:
 class SwarmCallback(TrainerCallback):
     """Per-step bookkeeping for the swarm."""
 
-    def __init__(self, *, dht, optimizer, model: torch.nn.Module, run_id: str, subkey: bytes, client_mode: bool,
-                 batch_size_per_step: int, losses: LossMeter, statistics_expiration: float = 600.0):
+    def __init__(
+        self,
+        *,
+        dht,
+        optimizer,
+        model: torch.nn.Module,
+        run_id: str,
+        subkey: bytes,
+        client_mode: bool,
+        batch_size_per_step: int,
+        losses: LossMeter,
+        statistics_expiration: float = 600.0,
+    ):
         self.dht, self.optimizer, self.model, self.run_id = dht, optimizer, model, run_id
         self.subkey, self.client_mode, self.batch_size_per_step = subkey, client_mode, batch_size_per_step
         self.losses, self.statistics_expiration = losses, statistics_expiration
@@ -86,7 +97,9 @@ class SwarmCallback(TrainerCallback):
         if epoch == self.last_epoch:
             return
         loss, mini_steps = self.losses.take()
-        if epoch == self.last_epoch + 1 and mini_steps:  # we took part in this step (not caught up by loading)
+        if (
+            epoch == self.last_epoch + 1 and mini_steps
+        ):  # we took part in this step (not caught up by loading)
             self.publish(epoch, loss, mini_steps)
         self.last_epoch, self.samples = epoch, 0
 
@@ -97,8 +110,10 @@ class SwarmCallback(TrainerCallback):
         logger.warning("Parameters became non-finite; reloading the state from peers")
         self.optimizer.load_state_from_peers()
         if not self.parameters_are_finite():
-            raise SystemExit("error: the parameters are non-finite and no peer offered a finite state; "
-                             "lower --learning_rate and restart (from a checkpoint with --output_dir)")
+            raise SystemExit(
+                "error: the parameters are non-finite and no peer offered a finite state; "
+                "lower --learning_rate and restart (from a checkpoint with --output_dir)"
+            )
         self.losses.take()
         self.last_epoch, self.samples = self.optimizer.local_epoch, 0
 
@@ -106,11 +121,23 @@ class SwarmCallback(TrainerCallback):
         speed = float(self.optimizer.tracker.performance_ema.samples_per_second)
         # plexus.Optimizer logs "Step #N", the contribution and the speed; it cannot see Trainer's loss
         logger.info(f"Local loss: {loss:.5f} (MLM, {mini_steps} micro-batches)")
-        entry = StepMetrics(step=epoch, loss=loss, mini_steps=mini_steps, samples_accumulated=self.samples,
-                            samples_per_second=speed if math.isfinite(speed) else 0.0, time=get_dht_time())
+        entry = StepMetrics(
+            step=epoch,
+            loss=loss,
+            mini_steps=mini_steps,
+            samples_accumulated=self.samples,
+            samples_per_second=speed if math.isfinite(speed) else 0.0,
+            time=get_dht_time(),
+        )
         self.history = [*self.history, entry][-HISTORY:]
-        record = LocalMetrics(peer_id=str(self.dht.peer_id), client_mode=self.client_mode, history=self.history)
+        record = LocalMetrics(
+            peer_id=str(self.dht.peer_id), client_mode=self.client_mode, history=self.history
+        )
         # not waited for: a slow DHT must not hold up training (the next epoch's record carries this one too)
-        self.dht.store(metrics_key(self.run_id), record.model_dump(),
-                       expiration_time=get_dht_time() + self.statistics_expiration, subkey=self.subkey,
-                       return_future=True)
+        self.dht.store(
+            metrics_key(self.run_id),
+            record.model_dump(),
+            expiration_time=get_dht_time() + self.statistics_expiration,
+            subkey=self.subkey,
+            return_future=True,
+        )

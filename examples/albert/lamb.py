@@ -17,15 +17,31 @@ import torch
 
 
 class Lamb(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, clamp_value: float = 10.0, debias: bool = False):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        clamp_value: float = 10.0,
+        debias: bool = False,
+    ):
         if lr <= 0 or eps < 0 or weight_decay < 0 or clamp_value <= 0:
-            raise ValueError(f"Lamb needs lr > 0, eps >= 0, weight_decay >= 0 and clamp_value > 0; got lr={lr}, "
-                             f"eps={eps}, weight_decay={weight_decay}, clamp_value={clamp_value}")
+            raise ValueError(
+                f"Lamb needs lr > 0, eps >= 0, weight_decay >= 0 and clamp_value > 0; got lr={lr}, "
+                f"eps={eps}, weight_decay={weight_decay}, clamp_value={clamp_value}"
+            )
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"Lamb's betas must lie in [0, 1); got {betas}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, clamp_value=clamp_value,
-                        debias=debias)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            clamp_value=clamp_value,
+            debias=debias,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -60,7 +76,10 @@ class Lamb(torch.optim.Optimizer):
                 weight_norm = param.norm().clamp(max=group["clamp_value"])
                 update_norm = update.norm()
                 # a tensor-valued ratio: no .item(), so no host-device sync on a GPU
-                trust_ratio = torch.where((weight_norm > 0) & (update_norm > 0), weight_norm / update_norm,
-                                          torch.ones_like(weight_norm))
+                trust_ratio = torch.where(
+                    (weight_norm > 0) & (update_norm > 0),
+                    weight_norm / update_norm,
+                    torch.ones_like(weight_norm),
+                )
                 param.sub_(update * (group["lr"] * trust_ratio))
         return loss

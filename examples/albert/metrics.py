@@ -108,9 +108,15 @@ class StepTable:
             reports = list(self._reports.pop(step).values())
             del self._first_seen[step]
             mini_steps = sum(r.mini_steps for r in reports)
-            rows.append(StepRow(
-                step=step, loss=sum(r.loss * r.mini_steps for r in reports) / mini_steps, alive_peers=len(reports),
-                samples=sum(r.samples_accumulated for r in reports),
-                samples_per_second=sum(r.samples_per_second for r in reports), time=max(r.time for r in reports)))
+            rows.append(
+                StepRow(
+                    step=step,
+                    loss=sum(r.loss * r.mini_steps for r in reports) / mini_steps,
+                    alive_peers=len(reports),
+                    samples=sum(r.samples_accumulated for r in reports),
+                    samples_per_second=sum(r.samples_per_second for r in reports),
+                    time=max(r.time for r in reports),
+                )
+            )
             self.last_emitted = step
         return rows

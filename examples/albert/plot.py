@@ -48,7 +48,7 @@ class _Canvas:
     def dot(self, x: int, y: int, color) -> None:
         if 0 <= x < self.width and 0 <= y < self.height:
             offset = 3 * (y * self.width + x)
-            self.pixels[offset:offset + 3] = bytes(color)
+            self.pixels[offset : offset + 3] = bytes(color)
 
     def line(self, x0: int, y0: int, x1: int, y1: int, color, thickness: int = 1) -> None:
         steps = max(abs(x1 - x0), abs(y1 - y0), 1)
@@ -70,14 +70,21 @@ class _Canvas:
                                 self.dot(x + (index * 6 + col) * scale + sx, y + row * scale + sy, color)
 
     def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width:3 * (y + 1) * self.width])
-                       for y in range(self.height))
+        raw = b"".join(
+            b"\x00" + bytes(self.pixels[3 * y * self.width : 3 * (y + 1) * self.width])
+            for y in range(self.height)
+        )
 
         def chunk(kind: bytes, data: bytes) -> bytes:
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
         header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw, 9))
+            + chunk(b"IEND", b"")
+        )
 
 
 def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -96,8 +103,15 @@ def _label(value: float, step: float) -> str:
     return f"{value:.{decimals}f}"
 
 
-def write_line_plot(path: str, xs: list[float], ys: list[float], title: str = "", x_label: str = "",
-                    width: int = 720, height: int = 440) -> None:
+def write_line_plot(
+    path: str,
+    xs: list[float],
+    ys: list[float],
+    title: str = "",
+    x_label: str = "",
+    width: int = 720,
+    height: int = 440,
+) -> None:
     if not xs or len(xs) != len(ys):
         raise ValueError(f"need as many x as y values, and at least one; got {len(xs)} and {len(ys)}")
     canvas = _Canvas(width, height)
@@ -106,8 +120,10 @@ def write_line_plot(path: str, xs: list[float], ys: list[float], title: str = ""
     x_low, x_high, y_low, y_high = x_ticks[0], x_ticks[-1], y_ticks[0], y_ticks[-1]
 
     def to_px(x: float, y: float) -> tuple[int, int]:
-        return (round(left + (x - x_low) / (x_high - x_low) * (right - left)),
-                round(bottom - (y - y_low) / (y_high - y_low) * (bottom - top)))
+        return (
+            round(left + (x - x_low) / (x_high - x_low) * (right - left)),
+            round(bottom - (y - y_low) / (y_high - y_low) * (bottom - top)),
+        )
 
     for value in y_ticks:
         _, py = to_px(x_low, value)

@@ -51,25 +51,59 @@ def prepare_data(data_path: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not os.path.exists(os.path.join(corpus, "corpus.txt")):
         print(f"Building the demo corpus in {corpus} (once, ~30 s)...", flush=True)
-        subprocess.run([sys.executable, "make_demo_corpus.py", "--output_dir", corpus], cwd=EXAMPLE_DIR, env=env,
-                       check=True)
+        subprocess.run(
+            [sys.executable, "make_demo_corpus.py", "--output_dir", corpus],
+            cwd=EXAMPLE_DIR,
+            env=env,
+            check=True,
+        )
     if not os.path.exists(os.path.join(tokenized, "meta.json")):
         print(f"Training a tokenizer and tokenizing into {tokenized} (once, ~30 s)...", flush=True)
-        subprocess.run([sys.executable, "tokenize_corpus.py", "--input_path", corpus, "--output_dir", tokenized],
-                       cwd=EXAMPLE_DIR, env=env, check=True)
+        subprocess.run(
+            [sys.executable, "tokenize_corpus.py", "--input_path", corpus, "--output_dir", tokenized],
+            cwd=EXAMPLE_DIR,
+            env=env,
+            check=True,
+        )
     return tokenized
 
 
 def trainer_args(name: str, peers: list[str], dataset: str, client: bool) -> list[str]:
     folder = os.path.join(run_dir, name)
-    return ["--initial_peers", *peers, "--dataset_path", dataset, "--config", "tiny",
-            "--target_batch_size", str(target_batch_size),
-            "--per_device_train_batch_size", str(per_device_train_batch_size),
-            "--learning_rate", str(learning_rate), "--warmup_steps", str(warmup_steps),
-            "--matchmaking_time", str(matchmaking_time), "--averaging_timeout", "30",
-            "--output_dir", folder, "--logging_dir", os.path.join(folder, "logs"), "--overwrite_output_dir",
-            "--save_steps", str(10**9), "--logging_steps", "50", "--disable_tqdm", "true", "--report_to", "none",
-            *(["--client_mode"] if client else ["--host_maddrs", f"/ip4/{host}/tcp/0"])]
+    return [
+        "--initial_peers",
+        *peers,
+        "--dataset_path",
+        dataset,
+        "--config",
+        "tiny",
+        "--target_batch_size",
+        str(target_batch_size),
+        "--per_device_train_batch_size",
+        str(per_device_train_batch_size),
+        "--learning_rate",
+        str(learning_rate),
+        "--warmup_steps",
+        str(warmup_steps),
+        "--matchmaking_time",
+        str(matchmaking_time),
+        "--averaging_timeout",
+        "30",
+        "--output_dir",
+        folder,
+        "--logging_dir",
+        os.path.join(folder, "logs"),
+        "--overwrite_output_dir",
+        "--save_steps",
+        str(10**9),
+        "--logging_steps",
+        "50",
+        "--disable_tqdm",
+        "true",
+        "--report_to",
+        "none",
+        *(["--client_mode"] if client else ["--host_maddrs", f"/ip4/{host}/tcp/0"]),
+    ]
 
 
 class View:
@@ -81,15 +115,20 @@ class View:
 
     def show(self, status: dict | None, names: dict[str, str], elapsed: float, losses: list[float]) -> None:
         if status is None:
-            status = dict(progress=dict(epoch=0, peers=0, clients=0, samples_accumulated=0, samples_per_second=0.0),
-                          trainers=[])
+            status = dict(
+                progress=dict(epoch=0, peers=0, clients=0, samples_accumulated=0, samples_per_second=0.0),
+                trainers=[],
+            )
         progress, last = status["progress"], status.get("last_step") or {}
         loss = f"{last['loss']:.3f}" if last else "-"
         if not self.tty:
             if time.monotonic() - self.last_plain >= 5:
                 self.last_plain = time.monotonic()
-                print(f"[{elapsed:5.0f} s] global epoch {progress['epoch']}/{steps}  loss {loss}  "
-                      f"peers {progress['peers']}  {progress['samples_per_second']:.0f} samples/s", flush=True)
+                print(
+                    f"[{elapsed:5.0f} s] global epoch {progress['epoch']}/{steps}  loss {loss}  "
+                    f"peers {progress['peers']}  {progress['samples_per_second']:.0f} samples/s",
+                    flush=True,
+                )
             return
         lines = [
             f"\033[1mglobal epoch {progress['epoch']}/{steps}\033[0m   next step: {progress['samples_accumulated']}"
@@ -100,9 +139,11 @@ class View:
             f"{'peer':<18} {'name':<10} {'mode':<7} {'step':>5} {'loss':>7} {'samples/s':>10}",
         ]
         for row in status["trainers"]:
-            lines.append(f"{row['peer_id'][:6] + '…' + row['peer_id'][-6:]:<18} {names.get(row['peer_id'], '?'):<10} "
-                         f"{'client' if row['client_mode'] else 'full':<7} {row['step']:>5} {row['loss']:>7.3f} "
-                         f"{row['samples_per_second']:>10.1f}")
+            lines.append(
+                f"{row['peer_id'][:6] + '…' + row['peer_id'][-6:]:<18} {names.get(row['peer_id'], '?'):<10} "
+                f"{'client' if row['client_mode'] else 'full':<7} {row['step']:>5} {row['loss']:>7.3f} "
+                f"{row['samples_per_second']:>10.1f}"
+            )
         if self.drawn_lines:
             self.stream.write(f"\033[{self.drawn_lines}F")  # back to the first line of the last frame
         self.stream.write("".join(f"\033[2K{line}\n" for line in lines) + "\033[J")
@@ -130,9 +171,17 @@ def read_json(path: str) -> dict | None:
 def read_rows(path: str) -> list[dict]:
     try:
         with open(path, newline="") as f:
-            return [dict(step=int(r["step"]), loss=float(r["loss"]), alive_peers=int(r["alive_peers"]),
-                         samples=int(r["samples"]), samples_per_second=float(r["samples_per_second"]),
-                         time=float(r["time"])) for r in csv.DictReader(f)]
+            return [
+                dict(
+                    step=int(r["step"]),
+                    loss=float(r["loss"]),
+                    alive_peers=int(r["alive_peers"]),
+                    samples=int(r["samples"]),
+                    samples_per_second=float(r["samples_per_second"]),
+                    time=float(r["time"]),
+                )
+                for r in csv.DictReader(f)
+            ]
     except FileNotFoundError:
         return []
 
@@ -146,12 +195,20 @@ def summarize(rows: list[dict], peers_seen: int, duration: float) -> dict:
         writer.writerow(["step", "loss"])
         writer.writerows((row["step"], f"{row['loss']:.5f}") for row in rows)
     if rows:
-        write_line_plot(os.path.join(run_dir, "loss.png"), [r["step"] for r in rows], [r["loss"] for r in rows],
-                        title="MLM loss", x_label="global step")
+        write_line_plot(
+            os.path.join(run_dir, "loss.png"),
+            [r["step"] for r in rows],
+            [r["loss"] for r in rows],
+            title="MLM loss",
+            x_label="global step",
+        )
     training_time = rows[-1]["time"] - rows[0]["time"] if len(rows) > 1 else 0.0
     return dict(
-        steps=len(rows), duration=duration, peers=peers_seen,
-        first_loss=rows[0]["loss"] if rows else None, last_loss=rows[-1]["loss"] if rows else None,
+        steps=len(rows),
+        duration=duration,
+        peers=peers_seen,
+        first_loss=rows[0]["loss"] if rows else None,
+        last_loss=rows[-1]["loss"] if rows else None,
         samples=sum(r["samples"] for r in rows),
         samples_per_second=sum(r["samples"] for r in rows[1:]) / training_time if training_time else 0.0,
     )
@@ -172,13 +229,30 @@ def main(argv: list[str] | None = None) -> int:
     status_path, metrics_path = os.path.join(run_dir, "status.json"), os.path.join(run_dir, "metrics.csv")
     swarm, interrupted, failure = LocalSwarm(run_dir), False, None
     try:
-        peers = swarm.start_monitor("--host_maddrs", f"/ip4/{host}/tcp/0", "--refresh_period", str(refresh),
-                                    "--settle_time", "3", "--metrics_path", metrics_path, "--status_path", status_path)
-        print(f"The monitor is up. To join this swarm from elsewhere, run run_trainer.py with\n"
-              f"  --initial_peers {' '.join(peers)}\n", flush=True)
-        names = [f"trainer-{i + 1}" for i in range(trainers)] + [f"client-{i + 1}" for i in range(client_trainers)]
+        peers = swarm.start_monitor(
+            "--host_maddrs",
+            f"/ip4/{host}/tcp/0",
+            "--refresh_period",
+            str(refresh),
+            "--settle_time",
+            "3",
+            "--metrics_path",
+            metrics_path,
+            "--status_path",
+            status_path,
+        )
+        print(
+            f"The monitor is up. To join this swarm from elsewhere, run run_trainer.py with\n"
+            f"  --initial_peers {' '.join(peers)}\n",
+            flush=True,
+        )
+        names = [f"trainer-{i + 1}" for i in range(trainers)] + [
+            f"client-{i + 1}" for i in range(client_trainers)
+        ]
         for name in names:
-            swarm.start(name, "run_trainer.py", *trainer_args(name, peers, dataset, name.startswith("client")))
+            swarm.start(
+                name, "run_trainer.py", *trainer_args(name, peers, dataset, name.startswith("client"))
+            )
         print(f"Started {len(names)} trainers ({', '.join(names)}); logs in {swarm.log_dir}", flush=True)
         view = View()
         while True:
@@ -189,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
             swarm.check_alive("monitor")
             if time.monotonic() - started > timeout:
-                raise SwarmError(f"the swarm did not reach {steps} global steps within {timeout:.0f} s; "
-                                 f"see the logs in {swarm.log_dir}")
+                raise SwarmError(
+                    f"the swarm did not reach {steps} global steps within {timeout:.0f} s; "
+                    f"see the logs in {swarm.log_dir}"
+                )
             time.sleep(refresh)
     except KeyboardInterrupt:
         interrupted = True
@@ -201,11 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         codes = swarm.stop()
     status = read_json(status_path) or {}
     result = summarize(read_rows(metrics_path), status.get("peers_seen", 0), time.monotonic() - started)
-    print(f"\nStopped {len(codes)} processes ({', '.join(f'{n}: {c}' for n, c in codes.items())}); none is left.")
+    print(
+        f"\nStopped {len(codes)} processes ({', '.join(f'{n}: {c}' for n, c in codes.items())}); none is left."
+    )
     if result["steps"]:
-        print(f"Summary: {result['steps']} global steps in {result['duration']:.0f} s by {result['peers']} peers; "
-              f"MLM loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
-              f"{result['samples']} samples, {result['samples_per_second']:.1f} samples/s.")
+        print(
+            f"Summary: {result['steps']} global steps in {result['duration']:.0f} s by {result['peers']} peers; "
+            f"MLM loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}; "
+            f"{result['samples']} samples, {result['samples_per_second']:.1f} samples/s."
+        )
         print(f"Loss curve: {os.path.join(run_dir, 'loss.png')} and {os.path.join(run_dir, 'loss.csv')}")
     else:
         print("No global step was completed.")

@@ -52,25 +52,33 @@ class CollaborationArguments:
         default=False, metadata={"help": "train alone with the same optimizer, no swarm (a baseline)"}
     )
     run_id: str = field(
-        default="albert", metadata={"help": "name of the collaboration; peers with the same run_id train together"}
+        default="albert",
+        metadata={"help": "name of the collaboration; peers with the same run_id train together"},
     )
     initial_peers: list[str] = field(
-        default_factory=list, metadata={"help": "multiaddresses of peers already in the swarm (monitor or trainers)"}
+        default_factory=list,
+        metadata={"help": "multiaddresses of peers already in the swarm (monitor or trainers)"},
     )
     use_ipfs: bool = field(
-        default=False, metadata={"help": "find initial peers given as /p2p/<peer id> alone through the IPFS DHT "
-                                         "(all peers should use it)"}
+        default=False,
+        metadata={
+            "help": "find initial peers given as /p2p/<peer id> alone through the IPFS DHT "
+            "(all peers should use it)"
+        },
     )
     host_maddrs: list[str] = field(
         default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"], metadata={"help": "addresses to listen on"}
     )
     announce_maddrs: list[str] = field(
-        default_factory=list, metadata={"help": "addresses to tell other peers (e.g. a public IP), if not the "
-                                                "listening ones"}
+        default_factory=list,
+        metadata={"help": "addresses to tell other peers (e.g. a public IP), if not the listening ones"},
     )
     identity_path: str | None = field(
-        default=None, metadata={"help": "file with this peer's private key (created if missing), to keep its "
-                                        "peer id across restarts"}
+        default=None,
+        metadata={
+            "help": "file with this peer's private key (created if missing), to keep its "
+            "peer id across restarts"
+        },
     )
     client_mode: bool = field(
         default=False, metadata={"help": "for peers behind NAT or firewalls: dial out, accept no connections"}
@@ -102,12 +110,18 @@ class DatasetArguments:
         default="data/albert_tokenized", metadata={"help": "output of tokenize_corpus.py"}
     )
     tokenizer_path: str = field(
-        default="", metadata={"aliases": ["--tokenizer"],
-                              "help": "tokenizer saved with the checkpoints (default: DATASET_PATH/tokenizer)"}
+        default="",
+        metadata={
+            "aliases": ["--tokenizer"],
+            "help": "tokenizer saved with the checkpoints (default: DATASET_PATH/tokenizer)",
+        },
     )
     config: str = field(
-        default="tiny", metadata={"help": "model shape: tiny (0.76 M parameters, the demo's), large "
-                                          "(albert-large-v2's), or a folder or config.json with an AlbertConfig"}
+        default="tiny",
+        metadata={
+            "help": "model shape: tiny (0.76 M parameters, the demo's), large "
+            "(albert-large-v2's), or a folder or config.json with an AlbertConfig"
+        },
     )
 
 
@@ -116,7 +130,9 @@ class AlbertTrainingArguments(TrainingArguments):
     """TrainingArguments with this example's defaults (for the tiny model), plus the tutorial's flags."""
 
     optimizer: str = field(default="lamb", metadata={"help": "lamb (as ALBERT) or adamw"})
-    clamp_value: float = field(default=10000.0, metadata={"help": "LAMB's cap on a tensor's norm in its trust ratio"})
+    clamp_value: float = field(
+        default=10000.0, metadata={"help": "LAMB's cap on a tensor's norm in its trust ratio"}
+    )
     per_device_train_batch_size: int = 32
     gradient_accumulation_steps: int = 1
     learning_rate: float = 0.05  # LAMB on the tiny model; ALBERT-large used 0.00176; AdamW on tiny: 0.002
@@ -136,46 +152,68 @@ class AlbertTrainingArguments(TrainingArguments):
     output_dir: str = "outputs"
     logging_dir: str = field(default="logs", metadata={"help": "metrics.jsonl goes here"})
     overwrite_output_dir: bool = field(
-        default=False, metadata={"help": "start from a fresh model instead of the newest checkpoint in OUTPUT_DIR"}
+        default=False,
+        metadata={"help": "start from a fresh model instead of the newest checkpoint in OUTPUT_DIR"},
     )
     ignore_data_skip: bool = True  # the stream is endless and shuffled per peer: nothing to skip on resume
-    remove_unused_columns: bool = False  # the collator needs special_tokens_mask, which forward() does not take
+    remove_unused_columns: bool = (
+        False  # the collator needs special_tokens_mask, which forward() does not take
+    )
     label_names: list[str] | None = field(default_factory=lambda: ["labels", "sentence_order_label"])
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = torch.cuda.is_available()
 
 
-def optimizer_factory(name: str, lr: float, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.01,
-                      clamp_value: float = 10000.0):
+def optimizer_factory(
+    name: str,
+    lr: float,
+    betas=(0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+    clamp_value: float = 10000.0,
+):
     """params -> the local optimizer (the monitor builds the same kind to read the swarm's state)."""
     if name == "lamb":
-        return partial(Lamb, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value,
-                       debias=True)
+        return partial(
+            Lamb, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, clamp_value=clamp_value, debias=True
+        )
     if name == "adamw":
         return partial(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     raise SystemExit(f"error: unknown --optimizer {name!r}; use lamb or adamw")
 
 
 def local_optimizer_factory(args: AlbertTrainingArguments):
-    return optimizer_factory(args.optimizer, args.learning_rate, (args.adam_beta1, args.adam_beta2),
-                             args.adam_epsilon, args.weight_decay, args.clamp_value)
+    return optimizer_factory(
+        args.optimizer,
+        args.learning_rate,
+        (args.adam_beta1, args.adam_beta2),
+        args.adam_epsilon,
+        args.weight_decay,
+        args.clamp_value,
+    )
 
 
 def scheduler_factory(args: AlbertTrainingArguments):
-    return partial(transformers.get_linear_schedule_with_warmup, num_warmup_steps=args.warmup_steps,
-                   num_training_steps=args.total_steps)
+    return partial(
+        transformers.get_linear_schedule_with_warmup,
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.total_steps,
+    )
 
 
 def make_swarm_optimizer(model, args: AlbertTrainingArguments, collab: CollaborationArguments, dht):
     import plexus
 
     return plexus.Optimizer(
-        dht=dht, run_id=collab.run_id,
+        dht=dht,
+        run_id=collab.run_id,
         target_batch_size=collab.target_batch_size - collab.batch_size_lead,
         batch_size_per_step=batch_size_per_step(args),
-        optimizer=local_optimizer_factory(args), params=parameter_groups(model, args.weight_decay),
+        optimizer=local_optimizer_factory(args),
+        params=parameter_groups(model, args.weight_decay),
         scheduler=scheduler_factory(args),
-        matchmaking_time=collab.matchmaking_time, averaging_timeout=collab.averaging_timeout,
+        matchmaking_time=collab.matchmaking_time,
+        averaging_timeout=collab.averaging_timeout,
         client_mode=collab.client_mode,
         averager_opts=dict(bandwidth=collab.bandwidth, target_group_size=collab.target_group_size),
         grad_compression=plexus.Float16Compression(),
@@ -195,8 +233,10 @@ def load_config(name: str, vocab_size: int, seq_length: int) -> transformers.Alb
         raise SystemExit(f"error: --config {name!r} is neither tiny, large, nor a folder or config.json")
     config = transformers.AlbertConfig.from_pretrained(name, local_files_only=True)
     if config.vocab_size != vocab_size:
-        raise SystemExit(f"error: --config {name!r} has a vocabulary of {config.vocab_size} tokens but the "
-                         f"dataset's tokenizer has {vocab_size}; use that tokenizer's data or fix vocab_size")
+        raise SystemExit(
+            f"error: --config {name!r} has a vocabulary of {config.vocab_size} tokens but the "
+            f"dataset's tokenizer has {vocab_size}; use that tokenizer's data or fix vocab_size"
+        )
     return config
 
 
@@ -243,7 +283,9 @@ class JsonlMetrics(TrainerCallback):
 
 
 def main(argv: list[str] | None = None):
-    parser = HfArgumentParser((AlbertTrainingArguments, CollaborationArguments, DatasetArguments), description=__doc__)
+    parser = HfArgumentParser(
+        (AlbertTrainingArguments, CollaborationArguments, DatasetArguments), description=__doc__
+    )
     args, collab, data_args = parser.parse_args_into_dataclasses(args=argv)
     from plexus.utils.logging import use_plexus_log_handler
 
@@ -256,7 +298,9 @@ def main(argv: list[str] | None = None):
     dataset = PretrainingDataset(data_args.dataset_path)
     config = load_config(data_args.config, dataset.meta["vocab_size"], dataset.seq_length)
     checkpoint = (
-        None if args.overwrite_output_dir or not os.path.isdir(args.output_dir) else get_last_checkpoint(args.output_dir)
+        None
+        if args.overwrite_output_dir or not os.path.isdir(args.output_dir)
+        else get_last_checkpoint(args.output_dir)
     )
     transformers.set_seed(args.seed)  # every peer starts from the same initial model
     if checkpoint:
@@ -265,7 +309,8 @@ def main(argv: list[str] | None = None):
     else:
         model = AlbertForMaskedOnlyPreTraining(config)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
-        data_args.tokenizer_path or os.path.join(data_args.dataset_path, "tokenizer"), local_files_only=True)
+        data_args.tokenizer_path or os.path.join(data_args.dataset_path, "tokenizer"), local_files_only=True
+    )
 
     dht = None
     if collab.local:
@@ -275,34 +320,58 @@ def main(argv: list[str] | None = None):
     else:
         import plexus
 
-        dht = plexus.DHT(initial_peers=collab.initial_peers, start=True, host_maddrs=collab.host_maddrs,
-                         announce_maddrs=collab.announce_maddrs, identity_path=collab.identity_path,
-                         client_mode=collab.client_mode, use_ipfs=collab.use_ipfs)
+        dht = plexus.DHT(
+            initial_peers=collab.initial_peers,
+            start=True,
+            host_maddrs=collab.host_maddrs,
+            announce_maddrs=collab.announce_maddrs,
+            identity_path=collab.identity_path,
+            client_mode=collab.client_mode,
+            use_ipfs=collab.use_ipfs,
+        )
         validators, subkey = make_validators(collab.run_id, dht.private_key)
         dht.add_validators(validators)
         if collab.client_mode:
             logger.info(f"Peer {dht.peer_id} is up in client mode (it dials out and accepts no connections)")
         else:
             addresses = " ".join(str(addr) for addr in dht.get_visible_maddrs())
-            logger.info(f"Peer {dht.peer_id} is up. To connect other peers to this one, use "
-                        f"--initial_peers {addresses}")
+            logger.info(
+                f"Peer {dht.peer_id} is up. To connect other peers to this one, use "
+                f"--initial_peers {addresses}"
+            )
         optimizer = make_swarm_optimizer(model, args, collab, dht)
         optimizers = (optimizer, NoOpScheduler(optimizer))
         seed = peer_seed(dht.peer_id.to_bytes())
     losses = LossMeter()
     if dht is not None:
-        callbacks = [SwarmCallback(dht=dht, optimizer=optimizer, model=model, run_id=collab.run_id, subkey=subkey,
-                                   client_mode=collab.client_mode, batch_size_per_step=batch_size_per_step(args),
-                                   losses=losses, statistics_expiration=collab.statistics_expiration)]
-    logger.info(f"{data_args.config} ALBERT, {count_parameters(model) / 1e6:.2f} M parameters; {len(dataset)} samples "
-                f"of {dataset.seq_length} tokens{f'; resuming from {checkpoint}' if checkpoint else ''}")
+        callbacks = [
+            SwarmCallback(
+                dht=dht,
+                optimizer=optimizer,
+                model=model,
+                run_id=collab.run_id,
+                subkey=subkey,
+                client_mode=collab.client_mode,
+                batch_size_per_step=batch_size_per_step(args),
+                losses=losses,
+                statistics_expiration=collab.statistics_expiration,
+            )
+        ]
+    logger.info(
+        f"{data_args.config} ALBERT, {count_parameters(model) / 1e6:.2f} M parameters; {len(dataset)} samples "
+        f"of {dataset.seq_length} tokens{f'; resuming from {checkpoint}' if checkpoint else ''}"
+    )
 
     # each peer reads (and masks) the data in its own order: identical batches would add nothing
     torch.manual_seed(seed)
     trainer = PretrainingTrainer(
-        model=model, args=args, train_dataset=PeerShuffledStream(dataset, seed=seed),
+        model=model,
+        args=args,
+        train_dataset=PeerShuffledStream(dataset, seed=seed),
         data_collator=MaskingCollator.from_meta(dataset.meta, generator=torch.Generator().manual_seed(seed)),
-        processing_class=tokenizer, optimizers=optimizers, callbacks=[JsonlMetrics(args.logging_dir), *callbacks],
+        processing_class=tokenizer,
+        optimizers=optimizers,
+        callbacks=[JsonlMetrics(args.logging_dir), *callbacks],
         losses=losses,
     )
     try:

@@ -40,34 +40,77 @@ PROGRESS_STALE_AFTER = 30.0  # seconds: a trainer's progress record older than t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     swarm = parser.add_argument_group("swarm")
-    swarm.add_argument("--run_id", default="albert", help="the collaboration's name, as the trainers' (default: albert)")
-    swarm.add_argument("--initial_peers", nargs="*", default=[], help="other monitors or trainers to join, if any")
-    swarm.add_argument("--use_ipfs", action="store_true",
-                       help="be findable (and find --initial_peers given as /p2p/<peer id>) through the IPFS DHT")
-    swarm.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"],
-                       help="addresses to listen on (default: any interface, a random port)")
-    swarm.add_argument("--announce_maddrs", nargs="*", default=[],
-                       help="addresses to tell peers instead, e.g. /ip4/PUBLIC_IP/tcp/31337")
-    swarm.add_argument("--identity_path", default=None,
-                       help="file with this peer's private key (created if missing): the same peer id every start")
+    swarm.add_argument(
+        "--run_id", default="albert", help="the collaboration's name, as the trainers' (default: albert)"
+    )
+    swarm.add_argument(
+        "--initial_peers", nargs="*", default=[], help="other monitors or trainers to join, if any"
+    )
+    swarm.add_argument(
+        "--use_ipfs",
+        action="store_true",
+        help="be findable (and find --initial_peers given as /p2p/<peer id>) through the IPFS DHT",
+    )
+    swarm.add_argument(
+        "--host_maddrs",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        help="addresses to listen on (default: any interface, a random port)",
+    )
+    swarm.add_argument(
+        "--announce_maddrs",
+        nargs="*",
+        default=[],
+        help="addresses to tell peers instead, e.g. /ip4/PUBLIC_IP/tcp/31337",
+    )
+    swarm.add_argument(
+        "--identity_path",
+        default=None,
+        help="file with this peer's private key (created if missing): the same peer id every start",
+    )
     record = parser.add_argument_group("recording")
-    record.add_argument("--refresh_period", type=float, default=30.0, help="seconds between reads (default: 30)")
-    record.add_argument("--settle_time", type=float, default=None,
-                        help="seconds to wait for late reports before a step is final (default: --refresh_period)")
-    record.add_argument("--metrics_path", default="logs/training_metrics.csv", help="CSV with one row per step")
-    record.add_argument("--status_path", default=None,
-                        help="also keep a JSON snapshot of the swarm here, rewritten every refresh (the demo's view)")
-    record.add_argument("--wandb_project", default=None, help="log every step to this Weights & Biases project")
+    record.add_argument(
+        "--refresh_period", type=float, default=30.0, help="seconds between reads (default: 30)"
+    )
+    record.add_argument(
+        "--settle_time",
+        type=float,
+        default=None,
+        help="seconds to wait for late reports before a step is final (default: --refresh_period)",
+    )
+    record.add_argument(
+        "--metrics_path", default="logs/training_metrics.csv", help="CSV with one row per step"
+    )
+    record.add_argument(
+        "--status_path",
+        default=None,
+        help="also keep a JSON snapshot of the swarm here, rewritten every refresh (the demo's view)",
+    )
+    record.add_argument(
+        "--wandb_project", default=None, help="log every step to this Weights & Biases project"
+    )
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--store_checkpoints", action="store_true", help="download and save the averaged state")
-    ckpt.add_argument("--save_checkpoint_step_interval", type=int, default=5, help="every this many steps (default: 5)")
+    ckpt.add_argument(
+        "--save_checkpoint_step_interval", type=int, default=5, help="every this many steps (default: 5)"
+    )
     ckpt.add_argument("--checkpoint_dir", default="checkpoints", help="where checkpoint-N folders go")
-    ckpt.add_argument("--keep_checkpoints", type=int, default=2, help="older checkpoints are deleted (default: 2)")
-    ckpt.add_argument("--push_to_hub", action="store_true", help="also push each checkpoint's model to the Hub")
-    ckpt.add_argument("--hub_repo_id", default=None, help="the Hub repository for --push_to_hub, e.g. me/albert-swarm")
-    ckpt.add_argument("--config", default="tiny", help="the trainers' --config (tiny, large or a config path)")
+    ckpt.add_argument(
+        "--keep_checkpoints", type=int, default=2, help="older checkpoints are deleted (default: 2)"
+    )
+    ckpt.add_argument(
+        "--push_to_hub", action="store_true", help="also push each checkpoint's model to the Hub"
+    )
+    ckpt.add_argument(
+        "--hub_repo_id", default=None, help="the Hub repository for --push_to_hub, e.g. me/albert-swarm"
+    )
+    ckpt.add_argument(
+        "--config", default="tiny", help="the trainers' --config (tiny, large or a config path)"
+    )
     ckpt.add_argument("--dataset_path", default="data/albert_tokenized", help="the trainers' --dataset_path")
     ckpt.add_argument("--optimizer", default="lamb", help="the trainers' --optimizer (lamb or adamw)")
     args = parser.parse_args(argv)
@@ -89,12 +132,19 @@ class Checkpointer:
         from run_trainer import load_config, optimizer_factory
 
         meta = read_meta(args.dataset_path)
-        self.model = AlbertForMaskedOnlyPreTraining(load_config(args.config, meta["vocab_size"], meta["seq_length"]))
+        self.model = AlbertForMaskedOnlyPreTraining(
+            load_config(args.config, meta["vocab_size"], meta["seq_length"])
+        )
         self.args, self.tokenizer_path = args, os.path.join(args.dataset_path, "tokenizer")
         # the same kind of optimizer and groups as the trainers: their state only loads into that
         self.averager = plexus.TrainingStateAverager(
-            dht=dht, prefix=f"{args.run_id}_state_averager", params=parameter_groups(self.model, 0.0),
-            optimizer=optimizer_factory(args.optimizer, lr=1e-3), allow_state_sharing=False, start=True)
+            dht=dht,
+            prefix=f"{args.run_id}_state_averager",
+            params=parameter_groups(self.model, 0.0),
+            optimizer=optimizer_factory(args.optimizer, lr=1e-3),
+            allow_state_sharing=False,
+            start=True,
+        )
 
     def save(self, step: int) -> None:
         import torch
@@ -104,8 +154,10 @@ class Checkpointer:
             return
         folder = os.path.join(self.args.checkpoint_dir, f"checkpoint-{self.averager.local_epoch}")
         self.model.save_pretrained(folder)
-        torch.save(dict(self.averager.optimizer.state_dict(), local_epoch=self.averager.local_epoch),
-                   os.path.join(folder, "optimizer.pt"))
+        torch.save(
+            dict(self.averager.optimizer.state_dict(), local_epoch=self.averager.local_epoch),
+            os.path.join(folder, "optimizer.pt"),
+        )
         if os.path.isdir(self.tokenizer_path):
             shutil.copytree(self.tokenizer_path, folder, dirs_exist_ok=True)
         logger.info(f"Saved the swarm's state of epoch {self.averager.local_epoch} to {folder}")
@@ -115,7 +167,7 @@ class Checkpointer:
 
     def _delete_old(self) -> None:
         folders = [name for name in os.listdir(self.args.checkpoint_dir) if name.startswith("checkpoint-")]
-        for name in sorted(folders, key=lambda name: int(name.split("-")[1]))[:-self.args.keep_checkpoints]:
+        for name in sorted(folders, key=lambda name: int(name.split("-")[1]))[: -self.args.keep_checkpoints]:
             shutil.rmtree(os.path.join(self.args.checkpoint_dir, name), ignore_errors=True)
 
     def shutdown(self) -> None:
@@ -151,16 +203,23 @@ def swarm_progress(found, now: float) -> dict:
                 peers.append(report)
     workers = [p for p in peers if not p.get("client_mode")] or peers
     epoch = max((p["epoch"] for p in workers), default=0)
-    return dict(epoch=epoch, peers=len(peers), clients=sum(bool(p.get("client_mode")) for p in peers),
-                samples_accumulated=sum(p["samples_accumulated"] for p in peers if p["epoch"] == epoch),
-                samples_per_second=sum(p["samples_per_second"] for p in peers))
+    return dict(
+        epoch=epoch,
+        peers=len(peers),
+        clients=sum(bool(p.get("client_mode")) for p in peers),
+        samples_accumulated=sum(p["samples_accumulated"] for p in peers if p["epoch"] == epoch),
+        samples_per_second=sum(p["samples_per_second"] for p in peers),
+    )
 
 
 def _is_fresh_progress(report, now: float) -> bool:
     """Only well-formed, recent reports count (the DHT's schema only guards the peers that declared it)."""
     types = dict(epoch=int, samples_accumulated=int, samples_per_second=float, time=float, client_mode=bool)
-    return (isinstance(report, dict) and all(isinstance(report.get(key), kind) for key, kind in types.items())
-            and now - report["time"] <= PROGRESS_STALE_AFTER)
+    return (
+        isinstance(report, dict)
+        and all(isinstance(report.get(key), kind) for key, kind in types.items())
+        and now - report["time"] <= PROGRESS_STALE_AFTER
+    )
 
 
 def write_status(path: str, status: dict) -> None:
@@ -174,22 +233,33 @@ def main(argv=None):
     args = parse_args(argv)
     use_plexus_log_handler()
     stop_on_signals()
-    dht = plexus.DHT(initial_peers=args.initial_peers, start=True, host_maddrs=args.host_maddrs,
-                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                     use_ipfs=args.use_ipfs)
+    dht = plexus.DHT(
+        initial_peers=args.initial_peers,
+        start=True,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        use_ipfs=args.use_ipfs,
+    )
     validators, _ = make_validators(args.run_id, dht.private_key)
     dht.add_validators(validators)
     addresses = [str(addr) for addr in dht.get_visible_maddrs()]
-    logger.info(f"Running a DHT instance. To connect other peers to this one, use --initial_peers {' '.join(addresses)}")
-    logger.info(f"Full list of visible multiaddresses: {' '.join(str(a) for a in dht.get_visible_maddrs(latest=True))}")
+    logger.info(
+        f"Running a DHT instance. To connect other peers to this one, use --initial_peers {' '.join(addresses)}"
+    )
+    logger.info(
+        f"Full list of visible multiaddresses: {' '.join(str(a) for a in dht.get_visible_maddrs(latest=True))}"
+    )
 
     wandb = None
     if args.wandb_project:
         try:
             import wandb
         except ImportError:
-            raise SystemExit("error: --wandb_project needs wandb: pip install wandb "
-                             "(WANDB_MODE=offline works without an account)") from None
+            raise SystemExit(
+                "error: --wandb_project needs wandb: pip install wandb "
+                "(WANDB_MODE=offline works without an account)"
+            ) from None
         wandb.init(project=args.wandb_project, config=dict(run_id=args.run_id))
     metrics_file = MetricsFile(args.metrics_path)
     checkpointer = Checkpointer(dht, args) if args.store_checkpoints else None
@@ -198,14 +268,27 @@ def main(argv=None):
     def record(rows, checkpoints: bool = True) -> None:
         nonlocal last_row
         for row in rows:
-            logger.info(f"Step #{row.step}  loss = {row.loss:.5f}  alive peers: {row.alive_peers}  "
-                        f"samples: {row.samples}  samples/s: {row.samples_per_second:.1f}")
+            logger.info(
+                f"Step #{row.step}  loss = {row.loss:.5f}  alive peers: {row.alive_peers}  "
+                f"samples: {row.samples}  samples/s: {row.samples_per_second:.1f}"
+            )
             metrics_file.write(row)
             if wandb is not None:
-                wandb.log(dict(loss=row.loss, alive_peers=row.alive_peers, samples=row.samples,
-                               performance=row.samples_per_second, step=row.step))
+                wandb.log(
+                    dict(
+                        loss=row.loss,
+                        alive_peers=row.alive_peers,
+                        samples=row.samples,
+                        performance=row.samples_per_second,
+                        step=row.step,
+                    )
+                )
             last_row = row
-            if checkpoints and checkpointer is not None and row.step % args.save_checkpoint_step_interval == 0:
+            if (
+                checkpoints
+                and checkpointer is not None
+                and row.step % args.save_checkpoint_step_interval == 0
+            ):
                 checkpointer.save(row.step)
 
     try:
@@ -221,13 +304,27 @@ def main(argv=None):
                 logger.info("Found no active peers")
                 quiet_since = started
             if args.status_path:
-                write_status(args.status_path, dict(
-                    time=now, initial_peers=addresses, progress=progress,
-                    last_step=dataclasses.asdict(last_row) if last_row else None,
-                    peers_seen=len(table.peers_seen),
-                    trainers=[dict(peer_id=peer_id, client_mode=m.client_mode, step=m.history[-1].step,
-                                   loss=m.history[-1].loss, samples_per_second=m.history[-1].samples_per_second)
-                              for peer_id, m in sorted(records.items()) if m.history]))
+                write_status(
+                    args.status_path,
+                    dict(
+                        time=now,
+                        initial_peers=addresses,
+                        progress=progress,
+                        last_step=dataclasses.asdict(last_row) if last_row else None,
+                        peers_seen=len(table.peers_seen),
+                        trainers=[
+                            dict(
+                                peer_id=peer_id,
+                                client_mode=m.client_mode,
+                                step=m.history[-1].step,
+                                loss=m.history[-1].loss,
+                                samples_per_second=m.history[-1].samples_per_second,
+                            )
+                            for peer_id, m in sorted(records.items())
+                            if m.history
+                        ],
+                    ),
+                )
             time.sleep(max(0.0, args.refresh_period - (time.monotonic() - started)))
     except KeyboardInterrupt:
         logger.info("Stopping the monitor")

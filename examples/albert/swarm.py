@@ -35,6 +35,7 @@ def _child_setup(group: int):
         os.setpgid(0, group)
         if sys.platform.startswith("linux"):  # die with the launcher, even if it is killed with SIGKILL
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
     return setup
 
 
@@ -55,8 +56,13 @@ class LocalSwarm:
         self.run_dir, self.python = os.path.abspath(run_dir), python
         self.log_dir = os.path.join(self.run_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                        TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        self.env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
         self.processes: dict[str, subprocess.Popen] = {}
         self.group: int | None = None  # the first child's pid is the group's id
 
@@ -65,18 +71,28 @@ class LocalSwarm:
         if name in self.processes:
             raise ValueError(f"a child named {name!r} already runs")
         with open(self.log_path(name), "wb") as log:
-            process = subprocess.Popen([self.python, os.path.join(EXAMPLE_DIR, script), *args], cwd=EXAMPLE_DIR,
-                                       env={**self.env, **(env or {})}, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=_child_setup(self.group or 0))
+            process = subprocess.Popen(
+                [self.python, os.path.join(EXAMPLE_DIR, script), *args],
+                cwd=EXAMPLE_DIR,
+                env={**self.env, **(env or {})},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_child_setup(self.group or 0),
+            )
         if self.group is None:
             self.group = process.pid
         self.processes[name] = process
         return process
 
-    def start_monitor(self, *args: str, name: str = "monitor", timeout: float = 120.0, env: dict | None = None):
+    def start_monitor(
+        self, *args: str, name: str = "monitor", timeout: float = 120.0, env: dict | None = None
+    ):
         """Start the training monitor and return the addresses it prints for --initial_peers."""
         self.start(name, "run_training_monitor.py", *args, env=env)
-        found = self.wait_until(lambda: _INITIAL_PEERS.search(self.read_log(name)), timeout, f"{name} to start")
+        found = self.wait_until(
+            lambda: _INITIAL_PEERS.search(self.read_log(name)), timeout, f"{name} to start"
+        )
         return found.group(1).split()
 
     def log_path(self, name: str) -> str:
@@ -99,8 +115,9 @@ class LocalSwarm:
         for name in names or self.processes:
             code = self.processes[name].poll()
             if code is not None:
-                raise SwarmError(f"{name} exited with code {code}; the end of {self.log_path(name)}:\n"
-                                 f"{self._tail(name)}")
+                raise SwarmError(
+                    f"{name} exited with code {code}; the end of {self.log_path(name)}:\n{self._tail(name)}"
+                )
 
     def wait_until(self, condition, timeout: float, what: str = "the swarm", poll: float = 0.5):
         """Poll `condition()` until it returns something true (returned); fail if a child dies first."""
@@ -111,7 +128,9 @@ class LocalSwarm:
                 return result
             self.check_alive()
             if time.monotonic() >= deadline:
-                raise SwarmError(f"gave up waiting for {what} after {timeout:.0f} s; logs are in {self.log_dir}")
+                raise SwarmError(
+                    f"gave up waiting for {what} after {timeout:.0f} s; logs are in {self.log_dir}"
+                )
             time.sleep(poll)
 
     def stop(self, timeout: float = 30.0) -> dict[str, int]:

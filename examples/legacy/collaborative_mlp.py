@@ -39,10 +39,22 @@ logger.info(f"To join the collaboration, use --initial_peers {' '.join(map(str, 
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 collaborative_optimizer = hivemind.CollaborativeOptimizer(
-    opt=opt, dht=dht, prefix=args.prefix, target_batch_size=args.target_batch_size,
-    batch_size_per_step=args.batch_size, compression_type=hivemind.utils.CompressionType.Value("FLOAT16"),
-    averaging_expiration=1.0, averaging_timeout=10.0, metadata_expiration=10.0, min_refresh_period=0.2,
-    max_refresh_period=1.0, default_refresh_period=0.5, target_group_size=2, verbose=True, start=True)
+    opt=opt,
+    dht=dht,
+    prefix=args.prefix,
+    target_batch_size=args.target_batch_size,
+    batch_size_per_step=args.batch_size,
+    compression_type=hivemind.utils.CompressionType.Value("FLOAT16"),
+    averaging_expiration=1.0,
+    averaging_timeout=10.0,
+    metadata_expiration=10.0,
+    min_refresh_period=0.2,
+    max_refresh_period=1.0,
+    default_refresh_period=0.5,
+    target_group_size=2,
+    verbose=True,
+    start=True,
+)
 
 while collaborative_optimizer.fetch_collaboration_state().num_peers < args.wait_for_peers:
     time.sleep(0.5)  # the others are still starting (until it trains, a peer counts only the others)
@@ -58,7 +70,9 @@ while collaborative_optimizer.local_step < args.max_steps:
     collaborative_optimizer.zero_grad()
 
 state = collaborative_optimizer.collaboration_state
-logger.info(f"Finished at global step {collaborative_optimizer.local_step} of {state.optimizer_step}, "
-            f"loss {loss.item():.3f}")
+logger.info(
+    f"Finished at global step {collaborative_optimizer.local_step} of {state.optimizer_step}, "
+    f"loss {loss.item():.3f}"
+)
 collaborative_optimizer.shutdown()
 dht.shutdown()

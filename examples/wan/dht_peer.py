@@ -30,7 +30,11 @@ else:
 dht.store(f"record-{me}", f"hello from {me}", get_dht_time() + 300)
 for name in peers:
     started = time.monotonic()
-    wait_until(lambda: dht.get(f"record-{name}", latest=True) is not None, timeout=60, interval=0.2,
-               message=f"the record of {name} is found")
+    wait_until(
+        lambda: dht.get(f"record-{name}", latest=True) is not None,
+        timeout=60,
+        interval=0.2,
+        message=f"the record of {name} is found",
+    )
     print(f"{me}: found {name}'s record in {time.monotonic() - started:.2f} s")
 dht.shutdown()

@@ -74,10 +74,16 @@ class RobustAggregation:
     def __post_init__(self):
         if self.clip_radius is not None and not (math.isfinite(self.clip_radius) and self.clip_radius > 0):
             raise ValueError(f"clip_radius must be a finite positive number or None, got {self.clip_radius}")
-        if not (self.radius_factor > 0 and 0 < self.tolerance < 1 and self.max_iterations >= 1
-                and self.min_contributors >= 1):
-            raise ValueError(f"invalid {self}: need radius_factor > 0, 0 < tolerance < 1, "
-                             f"max_iterations >= 1 and min_contributors >= 1")
+        if not (
+            self.radius_factor > 0
+            and 0 < self.tolerance < 1
+            and self.max_iterations >= 1
+            and self.min_contributors >= 1
+        ):
+            raise ValueError(
+                f"invalid {self}: need radius_factor > 0, 0 < tolerance < 1, "
+                f"max_iterations >= 1 and min_contributors >= 1"
+            )
 
 
 def lower_median(values) -> float:
@@ -86,8 +92,9 @@ def lower_median(values) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def bounded_weights(declared: Mapping[int, float], limits: Mapping[int, float | None],
-                    max_weight_ratio: float) -> dict[int, float]:
+def bounded_weights(
+    declared: Mapping[int, float], limits: Mapping[int, float | None], max_weight_ratio: float
+) -> dict[int, float]:
     """Each member's weight, at most its limit (None: no limit) and `max_weight_ratio` x the lower
     median of the positive declared weights."""
     positive = [weight for weight in declared.values() if weight > 0]
@@ -186,9 +193,14 @@ class ClippedPart:
         stacked = torch.stack([x.to(acc_dtype) for x, _ in members])
         weights = torch.tensor([w for _, w in members], dtype=acc_dtype)
         options = self.options
-        result = centered_clip(stacked, weights, radius=options.clip_radius,
-                               radius_factor=options.radius_factor, tolerance=options.tolerance,
-                               max_iterations=options.max_iterations)
+        result = centered_clip(
+            stacked,
+            weights,
+            radius=options.clip_radius,
+            radius_factor=options.radius_factor,
+            tolerance=options.tolerance,
+            max_iterations=options.max_iterations,
+        )
         self.iterations, self.converged = result.iterations, result.converged
         if out is not None:
             return out.copy_(result.center), result.radius

@@ -188,30 +188,52 @@ class AllReduceRunner:
     `AllReduceRouter` before `run()`, so that senders' streams reach it.
     """
 
-    def __init__(self, host: Host, group_id: bytes, tensors: Sequence[torch.Tensor],
-                 ordered_peer_ids: Sequence[PeerID], peer_fractions: Sequence[float],
-                 modes: Optional[Sequence[AveragingMode]] = None, weight: float = 1.0,
-                 compression: CompressionBase = NoCompression(), part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
-                 sender_timeout: float = 10.0, reducer_timeout: float = 20.0,
-                 protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX, *, averaging_alpha: float = 1.0,
-                 reject_nonfinite: bool = True, tensor_infos: Optional[Sequence[CompressionInfo]] = None,
-                 window: int = DEFAULT_WINDOW, outputs: Optional[Sequence[torch.Tensor]] = None,
-                 robust: RobustAggregation | None = None, weight_limits: Mapping[PeerID, float] | None = None,
-                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO):
+    def __init__(
+        self,
+        host: Host,
+        group_id: bytes,
+        tensors: Sequence[torch.Tensor],
+        ordered_peer_ids: Sequence[PeerID],
+        peer_fractions: Sequence[float],
+        modes: Optional[Sequence[AveragingMode]] = None,
+        weight: float = 1.0,
+        compression: CompressionBase = NoCompression(),
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        sender_timeout: float = 10.0,
+        reducer_timeout: float = 20.0,
+        protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX,
+        *,
+        averaging_alpha: float = 1.0,
+        reject_nonfinite: bool = True,
+        tensor_infos: Optional[Sequence[CompressionInfo]] = None,
+        window: int = DEFAULT_WINDOW,
+        outputs: Optional[Sequence[torch.Tensor]] = None,
+        robust: RobustAggregation | None = None,
+        weight_limits: Mapping[PeerID, float] | None = None,
+        max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+    ):
         peers = list(ordered_peer_ids)
         modes = list(modes) if modes is not None else [AveragingMode.NODE] * len(peers)
         if len(set(peers)) != len(peers):
             raise AllReduceError("ordered_peer_ids has duplicates")
         if host.peer_id not in peers:
-            raise AllReduceError(f"this host ({host.peer_id}) is not in the group {[p.short() for p in peers]}")
+            raise AllReduceError(
+                f"this host ({host.peer_id}) is not in the group {[p.short() for p in peers]}"
+            )
         if not len(peers) == len(peer_fractions) == len(modes):
-            raise AllReduceError(f"{len(peers)} peers, {len(peer_fractions)} fractions and {len(modes)} modes differ")
+            raise AllReduceError(
+                f"{len(peers)} peers, {len(peer_fractions)} fractions and {len(modes)} modes differ"
+            )
         for peer, fraction, mode in zip(peers, peer_fractions, modes):
             if mode == AveragingMode.CLIENT and fraction != 0:
-                raise AllReduceError(f"CLIENT peer {peer.short()} has fraction {fraction}; clients reduce nothing")
+                raise AllReduceError(
+                    f"CLIENT peer {peer.short()} has fraction {fraction}; clients reduce nothing"
+                )
         if not 0 < sender_timeout < reducer_timeout:
-            raise AllReduceError(f"need 0 < sender_timeout ({sender_timeout}) < reducer_timeout ({reducer_timeout}): "
-                                 "a reducer may wait sender_timeout for a slow sender before it can answer")
+            raise AllReduceError(
+                f"need 0 < sender_timeout ({sender_timeout}) < reducer_timeout ({reducer_timeout}): "
+                "a reducer may wait sender_timeout for a slow sender before it can answer"
+            )
         if not isinstance(group_id, bytes) or not 0 < len(group_id) <= 64:
             raise AllReduceError(f"group_id must be 1 to 64 bytes, got {group_id!r}")
         if not max_weight_ratio >= 1:
@@ -227,11 +249,14 @@ class AllReduceRunner:
         self.robust = robust
         self.verifying = robust is not None and robust.verify
         if self.verifying and averaging_alpha != 1.0:
-            raise AllReduceError(f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): "
-                                 "members check the result they applied against what they sent")
+            raise AllReduceError(
+                f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): "
+                "members check the result they applied against what they sent"
+            )
         self.max_weight_ratio = max_weight_ratio
-        self.weight_limits = {peers.index(peer): float(limit)
-                              for peer, limit in (weight_limits or {}).items() if peer in peers}
+        self.weight_limits = {
+            peers.index(peer): float(limit) for peer, limit in (weight_limits or {}).items() if peer in peers
+        }
         self.protocol = allreduce_protocol(protocol_prefix)
         self._results_copy = None  # verifying in place: (tensors, where the results wait for the verdicts)
         if self.verifying and outputs is None and self.mode != AveragingMode.AUX:
@@ -267,8 +292,10 @@ class AllReduceRunner:
         return self.num_parts > 0
 
     def __repr__(self) -> str:
-        return (f"<AllReduceRunner group {self.group_id.hex()[:8]} peer {self.me}/{len(self.peers)} "
-                f"{self.mode.name} {self.reducer!r}>")
+        return (
+            f"<AllReduceRunner group {self.group_id.hex()[:8]} peer {self.me}/{len(self.peers)} "
+            f"{self.mode.name} {self.reducer!r}>"
+        )
 
     # --- the seam for faulty members (tests) ---------------------------------------------------------
 
@@ -298,8 +325,11 @@ class AllReduceRunner:
                 verification = self._spawn(self.reducer.verify_spans())
         exchanges = []
         if self.is_sender:
-            exchanges = [self._spawn(self._exchange(j)) for j in range(len(self.peers))
-                         if j != self.me and self.partition.num_parts(j) > 0]
+            exchanges = [
+                self._spawn(self._exchange(j))
+                for j in range(len(self.peers))
+                if j != self.me and self.partition.num_parts(j) > 0
+            ]
         self._exchanges_left = len(exchanges)
         self._check_answers_in()
         try:
@@ -321,9 +351,11 @@ class AllReduceRunner:
                 self.report.excluded_senders[self.peers[index]] = reason
         if not self.report.complete:
             report = self.report
-            logger.warning(f"all-reduce {self.group_id.hex()[:8]}: {len(report.failed_spans)} span(s) "
-                           f"failed, {len(report.excluded_senders)} sender(s) excluded, parts of "
-                           f"{len(report.discarded_parts)} span(s) discarded")
+            logger.warning(
+                f"all-reduce {self.group_id.hex()[:8]}: {len(report.failed_spans)} span(s) "
+                f"failed, {len(report.excluded_senders)} sender(s) excluded, parts of "
+                f"{len(report.discarded_parts)} span(s) discarded"
+            )
         return self.report
 
     def _finish_results(self) -> None:
@@ -342,9 +374,13 @@ class AllReduceRunner:
                     if index < self._applied[span]:
                         self.partition.keep(self.partition.part(span, index))
                 self.report.discarded_parts[self.peers[span]] = parts
-                log_peer_fault(self.peers[span], "discarded", f"all-reduce {self.group_id.hex()[:8]}: "
-                               f"discarding {len(parts)} part(s) reduced by {self.peers[span]}: most "
-                               f"verifiers found them wrong")
+                log_peer_fault(
+                    self.peers[span],
+                    "discarded",
+                    f"all-reduce {self.group_id.hex()[:8]}: "
+                    f"discarding {len(parts)} part(s) reduced by {self.peers[span]}: most "
+                    f"verifiers found them wrong",
+                )
         if self._results_copy is not None:
             for tensor, result in zip(*self._results_copy):
                 tensor.copy_(result)
@@ -365,8 +401,14 @@ class AllReduceRunner:
         """Send span j to reducer j and apply its answers as they come (then verify it, if asked)."""
         peer, total, received = self.peers[j], self.partition.num_parts(j), 0
         self._reports[j] = asyncio.get_running_loop().create_future()
-        responses = rpc.call_stream(self.host, peer, self.protocol, self._part_frames(j), rpc.Chunks,
-                                    max_message_size=self.max_frame_bytes)
+        responses = rpc.call_stream(
+            self.host,
+            peer,
+            self.protocol,
+            self._part_frames(j),
+            rpc.Chunks,
+            max_message_size=self.max_frame_bytes,
+        )
         try:
             try:
                 while received < total:
@@ -396,14 +438,22 @@ class AllReduceRunner:
             else:
                 reason = f"{type(error).__name__}: {error}"
             if received < total:
-                log_peer_fault(peer, reason, f"all-reduce {self.group_id.hex()[:8]}: span of {peer} failed "
-                               f"after {received} of {total} parts ({reason}); keeping local values for "
-                               f"the rest of it")
+                log_peer_fault(
+                    peer,
+                    reason,
+                    f"all-reduce {self.group_id.hex()[:8]}: span of {peer} failed "
+                    f"after {received} of {total} parts ({reason}); keeping local values for "
+                    f"the rest of it",
+                )
                 excluded = isinstance(error, rpc.RPCError) and str(error).startswith(EXCLUDED_YOU)
                 self.report.failed_spans.append(SpanFailure(peer, received, total, reason, excluded))
             else:
-                log_peer_fault(peer, "verify " + reason, f"all-reduce {self.group_id.hex()[:8]}: could not "
-                               f"verify with {peer} ({reason}); its verdict does not count")
+                log_peer_fault(
+                    peer,
+                    "verify " + reason,
+                    f"all-reduce {self.group_id.hex()[:8]}: could not "
+                    f"verify with {peer} ({reason}); its verdict does not count",
+                )
         finally:
             if not self._reports[j].done():
                 self._reports[j].set_result(None)
@@ -412,10 +462,18 @@ class AllReduceRunner:
     async def _part_frames(self, j: int) -> AsyncIterator:
         for part in self.partition.parts(j):
             view = self.outgoing(part, self.partition.view(part))
-            dtype, compression, buffer = encode_tensor(view, self.partition.compression_info(part), self.compression)
+            dtype, compression, buffer = encode_tensor(
+                view, self.partition.compression_info(part), self.compression
+            )
             first = part.index == 0
-            header = PartHeader(part.index, part.numel, dtype, compression,
-                                self.group_id if first else None, self.weight if first else None)
+            header = PartHeader(
+                part.index,
+                part.numel,
+                dtype,
+                compression,
+                self.group_id if first else None,
+                self.weight if first else None,
+            )
             yield header.encode()
             yield buffer
             del buffer  # sent: let it go before the next part is encoded
@@ -429,8 +487,10 @@ class AllReduceRunner:
     def _check_answer(self, header: AnswerHeader, part: Part) -> None:
         expected = dtype_name(self.partition.dtype(part))
         if header.index != part.index or header.numel != part.numel or header.dtype != expected:
-            raise rpc.RPCProtocolError(f"answer for part {header.index} ({header.numel} x {header.dtype}) does not "
-                                       f"match part {part.index} ({part.numel} x {expected})")
+            raise rpc.RPCProtocolError(
+                f"answer for part {header.index} ({header.numel} x {header.dtype}) does not "
+                f"match part {part.index} ({part.numel} x {expected})"
+            )
         if self.verifying and header.kind != AnswerKind.KEEP and not header.radius:
             raise rpc.RPCProtocolError(f"answer for part {part.index} has no radius; is the reducer robust?")
 
@@ -447,12 +507,19 @@ class AllReduceRunner:
             return
         target = self.partition.output(part)
         checked_in_place = self.reject_nonfinite and self.partition.in_place  # no local copy to fall back on
-        if (header.kind == AnswerKind.AVERAGE and header.compression == CompressionType.NONE and self.alpha == 1.0
-                and target.device.type == "cpu" and not checked_in_place):  # received bytes go straight in
+        if (
+            header.kind == AnswerKind.AVERAGE
+            and header.compression == CompressionType.NONE
+            and self.alpha == 1.0
+            and target.device.type == "cpu"
+            and not checked_in_place
+        ):  # received bytes go straight in
             destination = tensor_bytes_view(target)
             if sum(map(len, chunks)) != len(destination):
-                raise rpc.RPCProtocolError(f"answer for part {part.index} has {sum(map(len, chunks))} bytes, "
-                                           f"expected {len(destination)}")
+                raise rpc.RPCProtocolError(
+                    f"answer for part {part.index} has {sum(map(len, chunks))} bytes, "
+                    f"expected {len(destination)}"
+                )
             offset = 0
             for chunk in chunks:
                 destination[offset : offset + len(chunk)] = chunk
@@ -480,8 +547,9 @@ class AllReduceRunner:
         async with asyncio.timeout(2 * self.reducer_timeout):
             verdict = VerifyVerdict.decode(b"".join(await anext(responses)))
         if len(verdict.bad_parts) != len(self.peers):
-            raise rpc.RPCProtocolError(f"a verdict on {len(verdict.bad_parts)} spans, the group has "
-                                       f"{len(self.peers)}")
+            raise rpc.RPCProtocolError(
+                f"a verdict on {len(verdict.bad_parts)} spans, the group has {len(self.peers)}"
+            )
         self._verdicts[j] = verdict.bad_parts
 
     def _make_report(self, seed: bytes) -> VerifyReport:
@@ -498,8 +566,9 @@ class AllReduceRunner:
                     continue
                 part = self.partition.part(j, index)
                 sent = self.outgoing(part, self.partition.view(part))
-                span_rows.append(part_row(sent, self.partition.output(part), radius,
-                                          direction(seed, j, index, part.numel)))
+                span_rows.append(
+                    part_row(sent, self.partition.output(part), radius, direction(seed, j, index, part.numel))
+                )
             rows.append(span_rows)
         return encode_report(weights, rows)
 
@@ -511,14 +580,18 @@ class AllReduceRunner:
 
     # --- reducer side ---------------------------------------------------------------------------------
 
-    async def serve_sender(self, stream, first: PartHeader, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def serve_sender(
+        self, stream, first: PartHeader, frames: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
         """The reducer's side of one sender's stream: read its parts, yield the answer frames."""
         peer = stream.remote_peer
         sender = self.peers.index(peer) if peer in self.peers else None
         if sender is None or sender == self.me or self.modes[sender] == AveragingMode.AUX:
             raise SenderExcluded(f"{peer.short()} is not a sender of all-reduce {self.group_id.hex()[:8]}")
         if self.reducer is None:
-            raise SenderExcluded(f"{self.host.peer_id.short()} reduces no part of all-reduce {self.group_id.hex()[:8]}")
+            raise SenderExcluded(
+                f"{self.host.peer_id.short()} reduces no part of all-reduce {self.group_id.hex()[:8]}"
+            )
         async for frame in self.reducer.serve_sender(stream, first, frames):
             yield frame
 
@@ -535,17 +608,31 @@ class AllReduceRouter:
     `max_waiting_streams` streams wait at once.
     """
 
-    def __init__(self, host: Host, protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX, *,
-                 registration_timeout: float = 5.0, max_waiting_streams: int = 256,
-                 max_message_size: int = DEFAULT_MAX_FRAME_BYTES):
+    def __init__(
+        self,
+        host: Host,
+        protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX,
+        *,
+        registration_timeout: float = 5.0,
+        max_waiting_streams: int = 256,
+        max_message_size: int = DEFAULT_MAX_FRAME_BYTES,
+    ):
         self.host, self.protocol = host, allreduce_protocol(protocol_prefix)
         self.registration_timeout, self.max_waiting_streams = registration_timeout, max_waiting_streams
         self.max_message_size = max_message_size
         self._runners: dict[bytes, AllReduceRunner] = {}
         self._registered = asyncio.Event()
         self._waiting = 0
-        rpc.add_handler(host, self.protocol, self._handle, bytes, bytes, stream_input=True, stream_output=True,
-                        max_message_size=max_message_size)
+        rpc.add_handler(
+            host,
+            self.protocol,
+            self._handle,
+            bytes,
+            bytes,
+            stream_input=True,
+            stream_output=True,
+            max_message_size=max_message_size,
+        )
 
     def close(self) -> None:
         self.host.remove_stream_handler(self.protocol)
@@ -554,8 +641,10 @@ class AllReduceRouter:
     def register(self, runner: AllReduceRunner):
         """Route the runner's group to it while the `with` block runs."""
         if runner.max_frame_bytes > self.max_message_size:
-            raise AllReduceError(f"parts of up to {runner.max_frame_bytes} bytes exceed this router's "
-                                 f"max_message_size={self.max_message_size}; lower part_size_bytes")
+            raise AllReduceError(
+                f"parts of up to {runner.max_frame_bytes} bytes exceed this router's "
+                f"max_message_size={self.max_message_size}; lower part_size_bytes"
+            )
         if runner.group_id in self._runners:
             raise AllReduceError(f"group {runner.group_id.hex()} already has a runner on this host")
         self._runners[runner.group_id] = runner
@@ -589,7 +678,9 @@ class AllReduceRouter:
                     raise SenderExcluded("the first part header must carry the group_id")
                 runner = await self._find(header.group_id)
         except TimeoutError:
-            raise SenderExcluded("no all-reduce for this group here: this peer is not in it, or it already "
-                                 f"finished (waited {self.registration_timeout}s)") from None
+            raise SenderExcluded(
+                "no all-reduce for this group here: this peer is not in it, or it already "
+                f"finished (waited {self.registration_timeout}s)"
+            ) from None
         async for frame in runner.serve_sender(context.stream, header, frames):
             yield frame

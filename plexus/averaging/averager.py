@@ -93,27 +93,52 @@ class DecentralizedAverager:
     """The class rounds run with; a subclass may override its `outgoing`/`reduced` seams to play a
     faulty member in tests (set it on an instance)."""
 
-    def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: DHT, *, start: bool = False,
-                 prefix: str, target_group_size: int | None = None, min_group_size: int = 2,
-                 initial_group_bits: str = "", min_matchmaking_time: float = 5.0, request_timeout: float = 3.0,
-                 averaging_alpha: float = 1.0, part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
-                 allreduce_timeout: float | None = None, next_chunk_timeout: float | None = None,
-                 sender_timeout: float | None = None, reducer_timeout: float | None = None,
-                 compression: CompressionBase = NoCompression(), state_compression: CompressionBase = NoCompression(),
-                 tensor_infos: Sequence[CompressionInfo] | None = None, bandwidth: float | None = None,
-                 min_vector_size: int = 0, auxiliary: bool = False, allow_state_sharing: bool | None = None,
-                 declare_state_period: float = 30, client_mode: bool | None = None,
-                 shutdown_timeout: float = 5, reject_nonfinite: bool = True,
-                 max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
-                 weight_limits: Callable[[Sequence[PeerID]], Mapping[PeerID, float]] | None = None,
-                 robust: RobustAggregation | None = None):
+    def __init__(
+        self,
+        averaged_tensors: Sequence[torch.Tensor],
+        dht: DHT,
+        *,
+        start: bool = False,
+        prefix: str,
+        target_group_size: int | None = None,
+        min_group_size: int = 2,
+        initial_group_bits: str = "",
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        averaging_alpha: float = 1.0,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
+        sender_timeout: float | None = None,
+        reducer_timeout: float | None = None,
+        compression: CompressionBase = NoCompression(),
+        state_compression: CompressionBase = NoCompression(),
+        tensor_infos: Sequence[CompressionInfo] | None = None,
+        bandwidth: float | None = None,
+        min_vector_size: int = 0,
+        auxiliary: bool = False,
+        allow_state_sharing: bool | None = None,
+        declare_state_period: float = 30,
+        client_mode: bool | None = None,
+        shutdown_timeout: float = 5,
+        reject_nonfinite: bool = True,
+        max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+        weight_limits: Callable[[Sequence[PeerID]], Mapping[PeerID, float]] | None = None,
+        robust: RobustAggregation | None = None,
+    ):
         if "." in prefix:
             raise ValueError(f"prefix must not contain '.', got {prefix!r}")
         self.dht, self.prefix = dht, prefix
         self.client_mode = dht.client_mode if client_mode is None else client_mode
         if auxiliary and self.client_mode:
             raise ValueError("an auxiliary peer reduces parts for others, so it cannot be in client mode")
-        self.mode = AveragingMode.CLIENT if self.client_mode else AveragingMode.AUX if auxiliary else AveragingMode.NODE
+        self.mode = (
+            AveragingMode.CLIENT
+            if self.client_mode
+            else AveragingMode.AUX
+            if auxiliary
+            else AveragingMode.NODE
+        )
         self._tensors = [tensor.detach() for tensor in averaged_tensors]  # the caller's: results land there
         for tensor in self._tensors:
             if not tensor.is_floating_point():
@@ -121,15 +146,24 @@ class DecentralizedAverager:
         self._work: list[torch.Tensor] | None = None  # see _working_copy()
         self._reads_in_place = all(t.device.type == "cpu" and t.is_contiguous() for t in self._tensors)
         self._lock = threading.Lock()
-        self.tensor_infos = list(tensor_infos) if tensor_infos is not None else [
-            CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]
+        self.tensor_infos = (
+            list(tensor_infos)
+            if tensor_infos is not None
+            else [CompressionInfo.from_tensor(tensor, key=i) for i, tensor in enumerate(self._tensors)]
+        )
         if target_group_size is not None and min_group_size > target_group_size:
-            logger.warning(f"min_group_size={min_group_size} exceeds target_group_size={target_group_size}: "
-                           f"groups form only when full (taking min_group_size={target_group_size})")
+            logger.warning(
+                f"min_group_size={min_group_size} exceeds target_group_size={target_group_size}: "
+                f"groups form only when full (taking min_group_size={target_group_size})"
+            )
             min_group_size = target_group_size
         self.target_group_size, self.min_group_size = target_group_size, min_group_size
         self.initial_group_bits, self.min_matchmaking_time = initial_group_bits, min_matchmaking_time
-        self.request_timeout, self.averaging_alpha, self.part_size_bytes = request_timeout, averaging_alpha, part_size_bytes
+        self.request_timeout, self.averaging_alpha, self.part_size_bytes = (
+            request_timeout,
+            averaging_alpha,
+            part_size_bytes,
+        )
         self.sender_timeout = sender_timeout or next_chunk_timeout or 10.0
         self.reducer_timeout = reducer_timeout or 2 * self.sender_timeout
         self.allreduce_timeout = allreduce_timeout
@@ -140,11 +174,15 @@ class DecentralizedAverager:
         if not max_weight_ratio >= 1:
             raise ValueError(f"max_weight_ratio must be at least 1, got {max_weight_ratio}")
         if robust is not None and robust.verify and averaging_alpha != 1.0:
-            raise ValueError("robust=RobustAggregation(verify=True) needs averaging_alpha=1: members check "
-                             "the result they applied")
+            raise ValueError(
+                "robust=RobustAggregation(verify=True) needs averaging_alpha=1: members check "
+                "the result they applied"
+            )
         self.reject_nonfinite, self.max_weight_ratio = reject_nonfinite, max_weight_ratio
         self.weight_limits, self.robust = weight_limits, robust
-        self._allow_state_sharing = not (self.client_mode or auxiliary) if allow_state_sharing is None else allow_state_sharing
+        self._allow_state_sharing = (
+            not (self.client_mode or auxiliary) if allow_state_sharing is None else allow_state_sharing
+        )
         self._state_sharing_priority = 0.0
         self.schema_hash = self._compute_schema_hash()
         self._background = dht._background
@@ -176,15 +214,30 @@ class DecentralizedAverager:
         if host not in _routers:
             _routers[host] = AllReduceRouter(host)
         self._matchmaking = Matchmaking(
-            host, node, prefix=self.prefix, schema_hash=self.schema_hash, target_group_size=self.target_group_size,
-            min_group_size=self.min_group_size, initial_group_bits=self.initial_group_bits,
-            min_matchmaking_time=self.min_matchmaking_time, request_timeout=self.request_timeout,
-            client_mode=self.client_mode, assemble_when_all_joined=True)
+            host,
+            node,
+            prefix=self.prefix,
+            schema_hash=self.schema_hash,
+            target_group_size=self.target_group_size,
+            min_group_size=self.min_group_size,
+            initial_group_bits=self.initial_group_bits,
+            min_matchmaking_time=self.min_matchmaking_time,
+            request_timeout=self.request_timeout,
+            client_mode=self.client_mode,
+            assemble_when_all_joined=True,
+        )
         self._state_sharing = StateSharing(
-            host, node, self.prefix, self.get_current_state, state_lock=self._lock,
-            state_compression=self.state_compression, declare_period=self.declare_state_period,
-            priority=self._state_sharing_priority, allow_sharing=self._allow_state_sharing,
-            client_mode=self.client_mode)
+            host,
+            node,
+            self.prefix,
+            self.get_current_state,
+            state_lock=self._lock,
+            state_compression=self.state_compression,
+            declare_period=self.declare_state_period,
+            priority=self._state_sharing_priority,
+            allow_sharing=self._allow_state_sharing,
+            client_mode=self.client_mode,
+        )
         await self._state_sharing.start()
 
     def is_alive(self) -> bool:
@@ -223,16 +276,24 @@ class DecentralizedAverager:
         Called with the tensors' lock held; return references, the caller copies them."""
         return dict(group_bits=self.get_group_bits()), self._tensors, self.tensor_infos
 
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None,
-                              min_priority: float | None = None):
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None, min_priority: float | None = None
+    ):
         """Download (metadata, tensors) from up-to-date peers; None if nobody shares state.
 
         `min_priority` (e.g. the swarm's epoch): fail with `StateDownloadError` rather than take
         an older state. With `reject_nonfinite`, a donor's state holding NaN or inf is refused and
         the others are tried."""
         future = self._background.submit(
-            load_state_from_peers(self.dht.host, self.dht.node, self.prefix, timeout=timeout,
-                                  min_priority=min_priority, reject_nonfinite=self.reject_nonfinite))
+            load_state_from_peers(
+                self.dht.host,
+                self.dht.node,
+                self.prefix,
+                timeout=timeout,
+                min_priority=min_priority,
+                reject_nonfinite=self.reject_nonfinite,
+            )
+        )
         return future.result() if wait else future
 
     @property
@@ -269,10 +330,21 @@ class DecentralizedAverager:
 
     # --- averaging ---------------------------------------------------------------------------------
 
-    def step(self, gather: Any = None, scheduled_time: float | None = None, weight: float | None = None,
-             timeout: float | None = None, allow_retries: bool = True, require_trigger: bool = False,
-             wait: bool = True, weight_for_group=None, expected_group_size: int | None = None,
-             accept_partial: bool = True, alone_timeout: float | None = None, round_tag: bytes = b""):
+    def step(
+        self,
+        gather: Any = None,
+        scheduled_time: float | None = None,
+        weight: float | None = None,
+        timeout: float | None = None,
+        allow_retries: bool = True,
+        require_trigger: bool = False,
+        wait: bool = True,
+        weight_for_group=None,
+        expected_group_size: int | None = None,
+        accept_partial: bool = True,
+        alone_timeout: float | None = None,
+        round_tag: bytes = b"",
+    ):
         """Average once with a group; returns {peer_id: gathered data} of its members.
 
         With `wait=False` returns a StepControl at once (result, cancel, trigger). Raises
@@ -297,17 +369,39 @@ class DecentralizedAverager:
             raise ValueError("an auxiliary peer contributes no tensors, so its weight must be 0")
         if scheduled_time is None:
             scheduled_time = get_dht_time() + self.min_matchmaking_time
-        control = StepControl(self._background.loop, scheduled_time=scheduled_time, weight=weight,
-                              require_trigger=require_trigger)
+        control = StepControl(
+            self._background.loop,
+            scheduled_time=scheduled_time,
+            weight=weight,
+            require_trigger=require_trigger,
+        )
         control.weight_for_group = weight_for_group
         user_gather = MSGPackSerializer.dumps(gather)
-        control._start(self._step(control, user_gather, timeout, allow_retries, expected_group_size,
-                                  accept_partial, alone_timeout, round_tag))
+        control._start(
+            self._step(
+                control,
+                user_gather,
+                timeout,
+                allow_retries,
+                expected_group_size,
+                accept_partial,
+                alone_timeout,
+                round_tag,
+            )
+        )
         return control.result() if wait else control
 
-    async def _step(self, control: StepControl, user_gather: bytes, timeout: float | None, allow_retries: bool,
-                    expected_group_size: int | None, accept_partial: bool, alone_timeout: float | None,
-                    round_tag: bytes):
+    async def _step(
+        self,
+        control: StepControl,
+        user_gather: bytes,
+        timeout: float | None,
+        allow_retries: bool,
+        expected_group_size: int | None,
+        accept_partial: bool,
+        alone_timeout: float | None,
+        round_tag: bytes,
+    ):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else DEFAULT_STEP_TIMEOUT)
         gather = MSGPackSerializer.dumps([self.bandwidth, self.mode.value, user_gather])
@@ -315,14 +409,20 @@ class DecentralizedAverager:
         try:
             while True:
                 control.stage = AveragingStage.LOOKING_FOR_GROUP
-                group = await self._matchmaking.look_for_group(gather=gather, deadline=deadline,
-                                                               scheduled_time=control.scheduled_time,
-                                                               expected_group_size=expected_group_size,
-                                                               alone_timeout=alone_timeout, round_tag=round_tag)
+                group = await self._matchmaking.look_for_group(
+                    gather=gather,
+                    deadline=deadline,
+                    scheduled_time=control.scheduled_time,
+                    expected_group_size=expected_group_size,
+                    alone_timeout=alone_timeout,
+                    round_tag=round_tag,
+                )
                 if group is None and self._matchmaking.last_round_alone:
                     earlier = f" (earlier tries: {'; '.join(failures)})" if failures else ""
-                    raise NoPeersError(f"Averaging step failed: no other peer was looking for a group under "
-                                       f"{self._matchmaking.group_key!r}{earlier}")
+                    raise NoPeersError(
+                        f"Averaging step failed: no other peer was looking for a group under "
+                        f"{self._matchmaking.group_key!r}{earlier}"
+                    )
                 if group is None:
                     failures.append("could not find a group")
                 else:
@@ -331,16 +431,19 @@ class DecentralizedAverager:
                         await control.wait_for_trigger()
                     control.stage = AveragingStage.RUNNING_ALLREDUCE
                     try:
-                        return await self._run_allreduce(group, self._weight_for_group(group, control),
-                                                         accept_partial)
+                        return await self._run_allreduce(
+                            group, self._weight_for_group(group, control), accept_partial
+                        )
                     except (ConnectionError, TimeoutError, ValueError) as error:
                         failures.append(f"all-reduce in group {group.group_id.hex()[:8]} failed: {error!r}")
                 if not allow_retries or loop.time() + self.request_timeout >= deadline:
                     raise AveragingError(f"Averaging step failed: {'; '.join(failures)}")
                 control.scheduled_time = get_dht_time() + self.min_matchmaking_time
         except TimeoutError:
-            raise AveragingError(f"Averaging step failed: no group was ready before the deadline "
-                                 f"({'; '.join(failures) or 'waiting for the trigger'})") from None
+            raise AveragingError(
+                f"Averaging step failed: no group was ready before the deadline "
+                f"({'; '.join(failures) or 'waiting for the trigger'})"
+            ) from None
         finally:
             control._finish()
 
@@ -369,39 +472,65 @@ class DecentralizedAverager:
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
                 raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
         modes = [AveragingMode(member[1]) for member in members]
-        bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)]
+        bandwidths = [
+            0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)
+        ]
         total = sum(tensor.numel() for tensor in self._tensors)
         fractions = load_balance_peers(total, bandwidths, self.min_vector_size)
         async with self._round_tensors() as (sources, outputs):
             runner = self.allreduce_runner(
-                self.dht.host, group.group_id, sources, group.peer_ids, fractions, modes, weight, self.compression,
-                self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
-                averaging_alpha=self.averaging_alpha, tensor_infos=self.tensor_infos, outputs=outputs,
-                **self._member_checks(group.peer_ids))
+                self.dht.host,
+                group.group_id,
+                sources,
+                group.peer_ids,
+                fractions,
+                modes,
+                weight,
+                self.compression,
+                self.part_size_bytes,
+                self.sender_timeout,
+                self.reducer_timeout,
+                averaging_alpha=self.averaging_alpha,
+                tensor_infos=self.tensor_infos,
+                outputs=outputs,
+                **self._member_checks(group.peer_ids),
+            )
             with _routers[self.dht.host].register(runner):
                 async with asyncio.timeout(self.allreduce_timeout):
                     report = await runner.run()
-            failed = ", ".join(f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
-                               for f in report.failed_spans)
+            failed = ", ".join(
+                f"{f.reducer.short()} ({f.parts_received}/{f.parts_total} parts: {f.reason})"
+                for f in report.failed_spans
+            )
             if (report.failed_spans or report.discarded_parts) and not accept_partial:  # not published
                 if any(failure.excluded for failure in report.failed_spans):
-                    raise LeftOutError(f"Averaging step failed: the group {group.group_id.hex()[:8]} averaged "
-                                       f"without this peer: {failed}")
+                    raise LeftOutError(
+                        f"Averaging step failed: the group {group.group_id.hex()[:8]} averaged "
+                        f"without this peer: {failed}"
+                    )
                 discarded = ", ".join(peer.short() for peer in report.discarded_parts)
-                raise ConnectionError(f"spans kept local values: {failed or 'none'}; parts that failed "
-                                      f"verification, reduced by: {discarded or 'none'}")
+                raise ConnectionError(
+                    f"spans kept local values: {failed or 'none'}; parts that failed "
+                    f"verification, reduced by: {discarded or 'none'}"
+                )
         if not report.complete:
-            logger.warning(f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "
-                           f"values: {failed or 'none'}; excluded senders: "
-                           f"{list(map(str, report.excluded_senders))}; parts that failed verification: "
-                           f"{len(report.discarded_parts)} span(s)")
+            logger.warning(
+                f"averaging round finished with {len(group.peer_ids)} peers, but some spans kept local "
+                f"values: {failed or 'none'}; excluded senders: "
+                f"{list(map(str, report.excluded_senders))}; parts that failed verification: "
+                f"{len(report.discarded_parts)} span(s)"
+            )
         return {peer: MSGPackSerializer.loads(member[2]) for peer, member in zip(group.peer_ids, members)}
 
     def _member_checks(self, peer_ids: Sequence[PeerID]) -> dict:
         """The runner options that guard a round against bad members."""
         limits = dict(self.weight_limits(peer_ids)) if self.weight_limits is not None else None
-        return dict(reject_nonfinite=self.reject_nonfinite, max_weight_ratio=self.max_weight_ratio,
-                    weight_limits=limits, robust=self.robust)
+        return dict(
+            reject_nonfinite=self.reject_nonfinite,
+            max_weight_ratio=self.max_weight_ratio,
+            weight_limits=limits,
+            robust=self.robust,
+        )
 
     async def _acquire_lock(self) -> None:
         """Take the tensors' lock without blocking the loop; if cancelled meanwhile, let it go."""
@@ -417,7 +546,9 @@ class DecentralizedAverager:
         """(what the round reads, where it writes: None for in place), then publish the working copy
         in one short critical section. Reading the tensors themselves saves a copy of them per
         round (~0.05 s per 400 MiB, of a ~0.7 s round of two peers)."""
-        if self.mode == AveragingMode.AUX:  # it only reduces others' parts: its tensors are neither read nor written
+        if (
+            self.mode == AveragingMode.AUX
+        ):  # it only reduces others' parts: its tensors are neither read nor written
             yield (self._tensors if self._reads_in_place else await self._working_copy()), None
             return
         work = await self._working_copy()
@@ -444,7 +575,8 @@ class DecentralizedAverager:
         needs them: subclasses with rounds of their own (PowerSGD) never do."""
         if self._work is None:
             self._work = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: [torch.zeros(tensor.shape, dtype=tensor.dtype) for tensor in self._tensors])
+                None, lambda: [torch.zeros(tensor.shape, dtype=tensor.dtype) for tensor in self._tensors]
+            )
         return self._work
 
     def __repr__(self) -> str:

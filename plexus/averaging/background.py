@@ -53,9 +53,20 @@ class PeriodicAverager:
             `compression`, ...); `min_matchmaking_time` should be well below the period.
     """
 
-    def __init__(self, parameters: torch.nn.Module | Iterable[torch.Tensor], dht: DHT, *, prefix: str,
-                 averaging_period: float, lock: Any = None, wait_for_updates: bool = False,
-                 step_timeout: float | None = None, verbose: bool = True, start: bool = True, **averager_kwargs):
+    def __init__(
+        self,
+        parameters: torch.nn.Module | Iterable[torch.Tensor],
+        dht: DHT,
+        *,
+        prefix: str,
+        averaging_period: float,
+        lock: Any = None,
+        wait_for_updates: bool = False,
+        step_timeout: float | None = None,
+        verbose: bool = True,
+        start: bool = True,
+        **averager_kwargs,
+    ):
         if not averaging_period > 0:
             raise ValueError(f"averaging_period must be positive, got {averaging_period}")
         if isinstance(parameters, torch.nn.Module):
@@ -105,7 +116,9 @@ class PeriodicAverager:
     def wait_for_rounds(self, count: int, timeout: float) -> bool:
         """Block until `count` rounds ended (succeeded or failed) in total; False on timeout."""
         with self._finished:
-            return self._finished.wait_for(lambda: self.rounds_succeeded + self.rounds_failed >= count, timeout)
+            return self._finished.wait_for(
+                lambda: self.rounds_succeeded + self.rounds_failed >= count, timeout
+            )
 
     def __enter__(self) -> PeriodicAverager:
         return self
@@ -154,8 +167,10 @@ class PeriodicAverager:
         with self.lock, self.averager.get_tensors() as buffers:
             for param, buffer, old in zip(self.parameters, buffers, copied):
                 param.add_(buffer.sub(old).to(param.device, param.dtype))
-        logger.log(level, f"Finished averaging round in {time.monotonic() - started:.2f} s "
-                          f"with {len(gathered)} peers.")
+        logger.log(
+            level,
+            f"Finished averaging round in {time.monotonic() - started:.2f} s with {len(gathered)} peers.",
+        )
         self._count(len(gathered))
 
     def _count(self, group_size: int | None) -> None:

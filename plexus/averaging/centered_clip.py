@@ -72,8 +72,10 @@ def coordinate_median(values: torch.Tensor) -> torch.Tensor:
         ordered = list(values.unbind(0))  # than torch.sort along a short, strided dimension
         for step in range(n):
             for i in range(step % 2, n - 1, 2):
-                ordered[i], ordered[i + 1] = torch.minimum(ordered[i], ordered[i + 1]), \
-                    torch.maximum(ordered[i], ordered[i + 1])
+                ordered[i], ordered[i + 1] = (
+                    torch.minimum(ordered[i], ordered[i + 1]),
+                    torch.maximum(ordered[i], ordered[i + 1]),
+                )
     else:
         ordered = values.sort(dim=0).values
     if n % 2:
@@ -97,9 +99,15 @@ def rounding_floor(center: torch.Tensor) -> float:
     return torch.finfo(center.dtype).eps * float(norm(center))
 
 
-def centered_clip(values: torch.Tensor, weights: torch.Tensor, *, radius: float | None = None,
-                  radius_factor: float = 1.5, tolerance: float = 1e-6,
-                  max_iterations: int = 1000) -> ClipResult:
+def centered_clip(
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    radius: float | None = None,
+    radius_factor: float = 1.5,
+    tolerance: float = 1e-6,
+    max_iterations: int = 1000,
+) -> ClipResult:
     """The CenteredClip fixed point of the rows of `values` (n x d, floating) with `weights` (n, > 0).
 
     Args:
@@ -112,8 +120,10 @@ def centered_clip(values: torch.Tensor, weights: torch.Tensor, *, radius: float 
     and whether the stopping rule was met.
     """
     if values.ndim != 2 or values.shape[0] != weights.shape[0] or values.shape[0] == 0:
-        raise ValueError(f"need values of shape (n, d) with n >= 1 and n weights, got {tuple(values.shape)} "
-                         f"and {tuple(weights.shape)}")
+        raise ValueError(
+            f"need values of shape (n, d) with n >= 1 and n weights, got {tuple(values.shape)} "
+            f"and {tuple(weights.shape)}"
+        )
     weights = weights.to(values.dtype)
     if not bool((weights > 0).all()):
         raise ValueError("every weight must be positive (leave members of weight 0 out)")

@@ -31,7 +31,9 @@ class AveragingStage(enum.Enum):
 
 
 class StepControl:
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, scheduled_time: float, weight: float, require_trigger: bool):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, scheduled_time: float, weight: float, require_trigger: bool
+    ):
         self._loop = loop
         self.scheduled_time, self._weight = scheduled_time, weight
         self.stage = AveragingStage.IDLE

@@ -58,8 +58,9 @@ def check_group_key(key: str) -> tuple[str, str]:
     """Split a group key into (prefix, bits); ValueError if it is not `{prefix}.0b{bits}`."""
     match = GROUP_KEY_PATTERN.match(key) if isinstance(key, str) else None
     if match is None or len(match.group(2)) > MAX_GROUP_BITS:
-        raise ValueError(f"{key!r} is not a group key of the form '<prefix without dots>.0b<up to "
-                         f"{MAX_GROUP_BITS} bits>'")
+        raise ValueError(
+            f"{key!r} is not a group key of the form '<prefix without dots>.0b<up to {MAX_GROUP_BITS} bits>'"
+        )
     return match.group(1), match.group(2)
 
 
@@ -92,4 +93,4 @@ def next_group_bits(group_bits: str, group: GroupInfo, peer_id: PeerID, target_g
     buckets = max(buckets, size, 2)
     width = (buckets - 1).bit_length()
     index = _bucket_permutation(group.group_id, buckets)[group.peer_ids.index(peer_id)]
-    return (group_bits + format(index, f"0{width}b"))[-len(group_bits):]
+    return (group_bits + format(index, f"0{width}b"))[-len(group_bits) :]

@@ -64,8 +64,13 @@ GROUP_ID_BYTES = 20
 MAX_JOIN_REQUEST_SIZE = MAX_GATHER_BYTES + (4 << 10)
 FIRST_POLL_INTERVAL = 0.05
 MAX_REDIRECTS = 16  # consecutive leader suggestions we follow before going back to the DHT view
-_SHORT_REFUSALS = {JoinCode.NOT_A_LEADER, JoinCode.GROUP_DISBANDED, JoinCode.NOT_DECLARED,
-                   JoinCode.DUPLICATE_PEER_ID, JoinCode.PROTOCOL_VIOLATION}
+_SHORT_REFUSALS = {
+    JoinCode.NOT_A_LEADER,
+    JoinCode.GROUP_DISBANDED,
+    JoinCode.NOT_DECLARED,
+    JoinCode.DUPLICATE_PEER_ID,
+    JoinCode.PROTOCOL_VIOLATION,
+}
 
 _services: "weakref.WeakKeyDictionary[Host, dict[str, Matchmaking]]" = weakref.WeakKeyDictionary()
 
@@ -93,10 +98,22 @@ class _Mailbox:
 class Matchmaking:
     """Finds a group of peers to average with; see the module comment for the protocol."""
 
-    def __init__(self, host: Host, dht_node: DHTNode, *, prefix: str, schema_hash: bytes,
-                 target_group_size: int | None, min_group_size: int = 2, initial_group_bits: str = "",
-                 min_matchmaking_time: float = 5.0, request_timeout: float = 3.0, client_mode: bool = False,
-                 clock: Callable[[], float] = get_dht_time, assemble_when_all_joined: bool = False):
+    def __init__(
+        self,
+        host: Host,
+        dht_node: DHTNode,
+        *,
+        prefix: str,
+        schema_hash: bytes,
+        target_group_size: int | None,
+        min_group_size: int = 2,
+        initial_group_bits: str = "",
+        min_matchmaking_time: float = 5.0,
+        request_timeout: float = 3.0,
+        client_mode: bool = False,
+        clock: Callable[[], float] = get_dht_time,
+        assemble_when_all_joined: bool = False,
+    ):
         if min_matchmaking_time < 0 or request_timeout <= 0:
             raise ValueError("min_matchmaking_time must be >= 0 and request_timeout > 0")
         self.host, self.dht_node, self.prefix = host, dht_node, prefix
@@ -108,8 +125,13 @@ class Matchmaking:
         self.client_mode, self._clock = client_mode, clock
         self.assemble_when_all_joined = assemble_when_all_joined
         """With no target_group_size: lead a group as soon as every peer seen looking has joined us."""
-        self._state = MatchmakingState(self.peer_id, schema_hash=schema_hash, client_mode=client_mode,
-                                       target_group_size=target_group_size, min_group_size=min_group_size)
+        self._state = MatchmakingState(
+            self.peer_id,
+            schema_hash=schema_hash,
+            client_mode=client_mode,
+            target_group_size=target_group_size,
+            min_group_size=min_group_size,
+        )
         self._rng = random.SystemRandom()
         self._max_poll_interval = min(1.0, max(0.1, min_matchmaking_time / 5))
         self._one_round = asyncio.Lock()  # rounds run one at a time (a cancelled one may still unwind)
@@ -143,8 +165,16 @@ class Matchmaking:
         services = _services.get(self.host)
         if services is None:
             services = _services[self.host] = {}
-            rpc.add_handler(self.host, JOIN_PROTOCOL, _make_join_handler(services), bytes, JoinResponse,
-                            stream_input=True, stream_output=True, max_message_size=MAX_JOIN_REQUEST_SIZE)
+            rpc.add_handler(
+                self.host,
+                JOIN_PROTOCOL,
+                _make_join_handler(services),
+                bytes,
+                JoinResponse,
+                stream_input=True,
+                stream_output=True,
+                max_message_size=MAX_JOIN_REQUEST_SIZE,
+            )
         if self.prefix in services:
             raise ValueError(f"this host already runs matchmaking for prefix {self.prefix!r}")
         services[self.prefix] = self
@@ -165,9 +195,16 @@ class Matchmaking:
 
     # --- one round ----------------------------------------------------------------------------
 
-    async def look_for_group(self, *, gather: bytes, deadline: float, scheduled_time: float | None = None,
-                             expected_group_size: int | None = None, alone_timeout: float | None = None,
-                             round_tag: bytes = b"") -> GroupInfo | None:
+    async def look_for_group(
+        self,
+        *,
+        gather: bytes,
+        deadline: float,
+        scheduled_time: float | None = None,
+        expected_group_size: int | None = None,
+        alone_timeout: float | None = None,
+        round_tag: bytes = b"",
+    ) -> GroupInfo | None:
         """Find a group before `deadline` (event-loop time); None if there is none by then.
 
         `scheduled_time` (DHT time) is the earliest moment we want to assemble; by default
@@ -185,12 +222,19 @@ class Matchmaking:
         if len(gather) > MAX_GATHER_BYTES:
             raise ValueError(f"gather of {len(gather)} bytes exceeds the {MAX_GATHER_BYTES}-byte limit")
         async with self._one_round:
-            return await self._one_round_of_matchmaking(bytes(gather), deadline, scheduled_time,
-                                                        expected_group_size, alone_timeout, bytes(round_tag))
+            return await self._one_round_of_matchmaking(
+                bytes(gather), deadline, scheduled_time, expected_group_size, alone_timeout, bytes(round_tag)
+            )
 
-    async def _one_round_of_matchmaking(self, gather: bytes, deadline: float, scheduled_time: float | None,
-                                        expected_group_size: int | None, alone_timeout: float | None,
-                                        round_tag: bytes) -> GroupInfo | None:
+    async def _one_round_of_matchmaking(
+        self,
+        gather: bytes,
+        deadline: float,
+        scheduled_time: float | None,
+        expected_group_size: int | None,
+        alone_timeout: float | None,
+        round_tag: bytes,
+    ) -> GroupInfo | None:
         loop = asyncio.get_running_loop()
         group, key = None, self.group_key
         self.last_round_alone = False
@@ -199,8 +243,9 @@ class Matchmaking:
         self._view, self._refused, self._declared_until = {}, {}, None
         alone_after = None
         if alone_timeout is not None:
-            alone_after = (scheduled_time if scheduled_time is not None
-                           else self._clock() + self.min_matchmaking_time) + alone_timeout
+            alone_after = (
+                scheduled_time if scheduled_time is not None else self._clock() + self.min_matchmaking_time
+            ) + alone_timeout
         poller = None
         try:
             if not self.client_mode:  # the store runs while we read the bucket and ask leaders
@@ -216,8 +261,9 @@ class Matchmaking:
             self._stores = set()
             if group is not None:
                 self.last_leader = self._state.leader
-                self._group_bits = next_group_bits(self._group_bits, group, self.peer_id,
-                                                   self.target_group_size)
+                self._group_bits = next_group_bits(
+                    self._group_bits, group, self.peer_id, self.target_group_size
+                )
             if poller is not None:
                 poller.cancel()
                 await asyncio.gather(poller, return_exceptions=True)
@@ -272,8 +318,10 @@ class Matchmaking:
         if self._state.phase is not Phase.LOOKING or self._state.group_size > 1:
             return False  # someone joined us while we read
         now = self._clock()
-        return not any(peer != self.peer_id and declared > now and not self._failed_us(peer)
-                       for peer, declared in self._view.items())
+        return not any(
+            peer != self.peer_id and declared > now and not self._failed_us(peer)
+            for peer, declared in self._view.items()
+        )
 
     def _failed_us(self, peer: PeerID) -> bool:
         """`peer` refused us for good, or broke a join request of ours (unreachable, timed out,
@@ -318,12 +366,15 @@ class Matchmaking:
         for attempt in range(2):  # a slow DHT (a loaded machine) gets one more chance
             try:
                 async with asyncio.timeout(self.request_timeout):
-                    stored = await self.dht_node.store(key, self._declared_value(), expiration,
-                                                       subkey=self.peer_id.to_bytes())
+                    stored = await self.dht_node.store(
+                        key, self._declared_value(), expiration, subkey=self.peer_id.to_bytes()
+                    )
                 break
             except (TimeoutError, OSError) as error:
-                logger.debug(f"{self.peer_id.short()} could not declare itself under {key} "
-                             f"(attempt {attempt + 1}): {error!r}")
+                logger.debug(
+                    f"{self.peer_id.short()} could not declare itself under {key} "
+                    f"(attempt {attempt + 1}): {error!r}"
+                )
                 if self._clock() >= expiration:
                     break
         poll_now.set()  # others who started with us have likely landed too: look now
@@ -353,8 +404,9 @@ class Matchmaking:
             async with asyncio.timeout(2 * self.request_timeout):
                 if stores:
                     await asyncio.wait(stores)
-                await self.dht_node.store(key, False, math.nextafter(expiration, math.inf),
-                                          subkey=self.peer_id.to_bytes())
+                await self.dht_node.store(
+                    key, False, math.nextafter(expiration, math.inf), subkey=self.peer_id.to_bytes()
+                )
         except (TimeoutError, OSError) as error:
             logger.debug(f"{self.peer_id.short()} could not withdraw from {key}: {error!r}")
 
@@ -443,9 +495,14 @@ class Matchmaking:
     async def _try_leader(self, leader: PeerID, deadline: float) -> GroupInfo | PeerID | None:
         """Ask `leader` to take us in. Returns the group, a leader to try next, or None."""
         loop = asyncio.get_running_loop()
-        request = JoinRequest(self._state.group_key, self._state.schema_hash,
-                              None if self.client_mode else self._state.declared, self._state.gather,
-                              self.client_mode, self._state.round_tag)
+        request = JoinRequest(
+            self._state.group_key,
+            self._state.schema_hash,
+            None if self.client_mode else self._state.declared,
+            self._state.gather,
+            self.client_mode,
+            self._state.round_tag,
+        )
         stream, reader = None, None
         try:
             async with asyncio.timeout_at(min(deadline, loop.time() + self.request_timeout)):
@@ -462,8 +519,9 @@ class Matchmaking:
                     timer = self._own_timer()
                     timeout = None if timer == math.inf else max(0.0, timer - loop.time())
                     try:
-                        await asyncio.wait({reader, waker}, timeout=timeout,
-                                           return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(
+                            {reader, waker}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                        )
                     finally:
                         waker.cancel()
                 first = reader.result()
@@ -483,8 +541,9 @@ class Matchmaking:
         self._deliver(self._state.on_accepted(leader))
         return await self._follow(leader, stream, first.time_left, deadline)
 
-    async def _follow(self, leader: PeerID, stream, time_left: float,
-                      deadline: float) -> GroupInfo | PeerID | None:
+    async def _follow(
+        self, leader: PeerID, stream, time_left: float, deadline: float
+    ) -> GroupInfo | PeerID | None:
         """Wait for our leader's BEGIN; on any trouble go back to looking."""
         loop = asyncio.get_running_loop()
         wait_until = loop.time() + time_left + self.request_timeout

@@ -135,8 +135,9 @@ class JoinResponse(Message):
         return JoinCode(self.code)
 
     @classmethod
-    def refusal(cls, code: JoinCode, reason: str = "",
-                suggested_leader: PeerID | None = None) -> "JoinResponse":
+    def refusal(
+        cls, code: JoinCode, reason: str = "", suggested_leader: PeerID | None = None
+    ) -> "JoinResponse":
         suggested = suggested_leader.to_bytes() if suggested_leader is not None else None
         return cls(int(code), suggested_leader=suggested, reason=reason[:MAX_REASON_CHARS])
 

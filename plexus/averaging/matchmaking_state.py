@@ -69,8 +69,15 @@ class _Follower:
 class MatchmakingState:
     """One peer's view of the join protocol; see the module comment."""
 
-    def __init__(self, peer_id: PeerID, *, schema_hash: bytes, target_group_size: int | None,
-                 min_group_size: int = 2, client_mode: bool = False):
+    def __init__(
+        self,
+        peer_id: PeerID,
+        *,
+        schema_hash: bytes,
+        target_group_size: int | None,
+        min_group_size: int = 2,
+        client_mode: bool = False,
+    ):
         if target_group_size is not None and not 1 <= target_group_size <= MAX_GROUP_SIZE:
             raise ValueError(f"target_group_size must be within [1, {MAX_GROUP_SIZE}] or None")
         if not 1 <= min_group_size <= (target_group_size or MAX_GROUP_SIZE):
@@ -88,8 +95,9 @@ class MatchmakingState:
 
     # --- our own round ------------------------------------------------------------------------
 
-    def start(self, group_key: str, gather: bytes, expected_group_size: int | None = None,
-              round_tag: bytes = b"") -> None:
+    def start(
+        self, group_key: str, gather: bytes, expected_group_size: int | None = None, round_tag: bytes = b""
+    ) -> None:
         """Begin a round of matchmaking under `group_key`.
 
         `expected_group_size`: how many peers the caller knows will look for this round (e.g. the
@@ -156,8 +164,12 @@ class MatchmakingState:
         members = [(self.peer_id, self.gather)] + [(f.peer_id, f.gather) for f in self._followers.values()]
         shuffle(members)
         group = GroupInfo(group_id, tuple(p for p, _ in members), tuple(g for _, g in members))
-        begin = JoinResponse(int(JoinCode.BEGIN_ALLREDUCE), group_id=group_id,
-                             peer_ids=tuple(p.to_bytes() for p in group.peer_ids), gathered=group.gathered)
+        begin = JoinResponse(
+            int(JoinCode.BEGIN_ALLREDUCE),
+            group_id=group_id,
+            peer_ids=tuple(p.to_bytes() for p in group.peer_ids),
+            gathered=group.gathered,
+        )
         notices = [(f.handle, begin) for f in self._followers.values()]
         self.phase, self.leader, self._followers = Phase.ASSEMBLED, self.peer_id, {}
         return group, notices
@@ -205,18 +217,27 @@ class MatchmakingState:
 
     # --- our requests to leaders --------------------------------------------------------------
 
-    def candidates(self, view: Mapping[PeerID, float],
-                   skip: Callable[[PeerID, float], bool] = lambda peer, declared: False) -> list[PeerID]:
+    def candidates(
+        self,
+        view: Mapping[PeerID, float],
+        skip: Callable[[PeerID, float], bool] = lambda peer, declared: False,
+    ) -> list[PeerID]:
         """Peers in `view` ({peer: declared time}) we may ask, most senior first.
 
         A declared peer asks only more senior peers; a client or undeclared peer may ask anyone.
         Our own followers are never candidates (a stale view may still show them as senior).
         `skip(peer, declared)` lets the driver leave out peers that already refused us."""
         own = self.key
-        ranked = sorted((declared, peer.to_bytes(), peer) for peer, declared in view.items()
-                        if peer != self.peer_id and peer not in self._followers and math.isfinite(declared))
-        return [peer for declared, raw, peer in ranked
-                if (own is None or (declared, raw) < own) and not skip(peer, declared)]
+        ranked = sorted(
+            (declared, peer.to_bytes(), peer)
+            for peer, declared in view.items()
+            if peer != self.peer_id and peer not in self._followers and math.isfinite(declared)
+        )
+        return [
+            peer
+            for declared, raw, peer in ranked
+            if (own is None or (declared, raw) < own) and not skip(peer, declared)
+        ]
 
     def on_accepted(self, leader: PeerID) -> list[Notice]:
         """A leader took us in: follow it and send our followers there."""
@@ -253,10 +274,14 @@ class MatchmakingState:
 
     def _require(self, *phases: Phase) -> None:
         if self.phase not in phases:
-            raise MatchmakingStateError(f"matchmaking of {self.peer_id.short()} is {self.phase.value}, "
-                                        f"expected {' or '.join(p.value for p in phases)}")
+            raise MatchmakingStateError(
+                f"matchmaking of {self.peer_id.short()} is {self.phase.value}, "
+                f"expected {' or '.join(p.value for p in phases)}"
+            )
 
     def __repr__(self) -> str:
         leader = f" leader={self.leader.short()}" if self.leader else ""
-        return (f"<MatchmakingState {self.peer_id.short()} {self.phase.value} {self.group_key} "
-                f"size={self.group_size}{leader}>")
+        return (
+            f"<MatchmakingState {self.peer_id.short()} {self.phase.value} {self.group_key} "
+            f"size={self.group_size}{leader}>"
+        )

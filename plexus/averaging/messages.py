@@ -137,8 +137,9 @@ class VerifyReport(Message):
         if len(self.weights) != len(self.parts) or any(count < 0 for count in self.parts):
             raise ValueError("a report needs one weight and one part count >= 0 per span")
         if len(self.rows) != sum(self.parts) * 8 * 4:
-            raise ValueError(f"{sum(self.parts)} parts need {sum(self.parts) * 32} bytes of rows, "
-                             f"got {len(self.rows)}")
+            raise ValueError(
+                f"{sum(self.parts)} parts need {sum(self.parts) * 32} bytes of rows, got {len(self.rows)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -156,8 +157,10 @@ def base_method(compression: CompressionBase, info: CompressionInfo) -> Compress
     """The method that will encode this part. Adaptive wrappers are looked through (so that a part
     that goes uncompressed is sent as a view, without a copy) only while they delegate in the
     standard way: a wrapper that overrides `compress` (to count, log or adjust) is called itself."""
-    while (isinstance(compression, AdaptiveCompressionBase)
-           and type(compression).compress is AdaptiveCompressionBase.compress):
+    while (
+        isinstance(compression, AdaptiveCompressionBase)
+        and type(compression).compress is AdaptiveCompressionBase.compress
+    ):
         compression = compression.choose_compression(info)
     return compression
 

@@ -44,7 +44,9 @@ import torch
 from ..compression import CompressionBase, CompressionInfo, NoCompression
 from .load_balancing import apportion
 
-DEFAULT_PART_SIZE_BYTES = 2**20  # 1 MiB on the wire per part: ~10% less CPU per round than 512 KiB (per-part work)
+DEFAULT_PART_SIZE_BYTES = (
+    2**20
+)  # 1 MiB on the wire per part: ~10% less CPU per round than 512 KiB (per-part work)
 
 
 @dataclass(frozen=True)
@@ -120,11 +122,17 @@ class TensorPartition:
         self.tensors = list(tensors)
         for index, tensor in enumerate(self.tensors):
             if not tensor.is_contiguous():
-                raise ValueError(f"tensor {index} (shape {tuple(tensor.shape)}) is not contiguous; pass .contiguous() data")
+                raise ValueError(
+                    f"tensor {index} (shape {tuple(tensor.shape)}) is not contiguous; pass .contiguous() data"
+                )
             if not tensor.is_floating_point():
-                raise ValueError(f"tensor {index} has dtype {tensor.dtype}; only floating tensors can be averaged")
+                raise ValueError(
+                    f"tensor {index} has dtype {tensor.dtype}; only floating tensors can be averaged"
+                )
         if tensor_infos is None:
-            tensor_infos = [CompressionInfo.from_tensor(tensor, key=index) for index, tensor in enumerate(self.tensors)]
+            tensor_infos = [
+                CompressionInfo.from_tensor(tensor, key=index) for index, tensor in enumerate(self.tensors)
+            ]
         if len(tensor_infos) != len(self.tensors):
             raise ValueError(f"got {len(tensor_infos)} tensor_infos for {len(self.tensors)} tensors")
         self.tensor_infos = list(tensor_infos)
@@ -133,7 +141,9 @@ class TensorPartition:
         self._out = self._flat
         if outputs is not None:
             outputs = list(outputs)
-            if [(o.shape, o.dtype, o.is_contiguous()) for o in outputs] != [(t.shape, t.dtype, True) for t in self.tensors]:
+            if [(o.shape, o.dtype, o.is_contiguous()) for o in outputs] != [
+                (t.shape, t.dtype, True) for t in self.tensors
+            ]:
                 raise ValueError("outputs must be contiguous tensors of the tensors' shapes and dtypes")
             self._out = [output.detach().view(-1) for output in outputs]
         self._offsets = [0]
@@ -143,7 +153,9 @@ class TensorPartition:
 
         self.span_sizes = tuple(int(size) for size in span_sizes)
         if any(size < 0 for size in self.span_sizes) or sum(self.span_sizes) != self.total_size:
-            raise ValueError(f"span sizes {self.span_sizes} must be >= 0 and sum to the {self.total_size} elements")
+            raise ValueError(
+                f"span sizes {self.span_sizes} must be >= 0 and sum to the {self.total_size} elements"
+            )
         self._part_numel = [self._max_part_numel(index) for index in range(len(self.tensors))]
         self._pieces: list[list[_Piece]] = []
         start = 0
@@ -165,7 +177,13 @@ class TensorPartition:
             offset, end = self._offsets[tensor_index], self._offsets[tensor_index + 1]
             piece_stop = min(stop, end)
             if piece_stop > start:
-                piece = _Piece(first_part, tensor_index, start - offset, piece_stop - offset, self._part_numel[tensor_index])
+                piece = _Piece(
+                    first_part,
+                    tensor_index,
+                    start - offset,
+                    piece_stop - offset,
+                    self._part_numel[tensor_index],
+                )
                 pieces.append(piece)
                 first_part += piece.num_parts
             start = piece_stop

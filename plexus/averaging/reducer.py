@@ -111,8 +111,14 @@ class SpanReducer:
     def start(self, now: float) -> list[asyncio.Task]:
         """Begin the round: the background tasks (to cancel when it ends)."""
         r = self.round
-        self.core = ReducerCore(self.num_parts, r.senders, window=r.window, sender_timeout=r.sender_timeout,
-                                now=now, exempt=[self.me])
+        self.core = ReducerCore(
+            self.num_parts,
+            r.senders,
+            window=r.window,
+            sender_timeout=r.sender_timeout,
+            now=now,
+            exempt=[self.me],
+        )
         if r.is_sender:
             self.declared[self.me] = r.weight
         if self.core.settled:
@@ -159,10 +165,14 @@ class SpanReducer:
         self.weights = bounded_weights(declared, self.round.weight_limits, self.round.max_weight_ratio)
         for sender, weight in self.weights.items():
             if weight < declared[sender] and sender != self.me:
-                log_peer_fault(self.peers[sender], "weight", f"all-reduce {self.tag}: weight of "
-                               f"{self.peers[sender]} bounded from {declared[sender]:.6g} to {weight:.6g} "
-                               f"(its limit {self.round.weight_limits.get(sender)}, or "
-                               f"{self.round.max_weight_ratio} x the group's median)")
+                log_peer_fault(
+                    self.peers[sender],
+                    "weight",
+                    f"all-reduce {self.tag}: weight of "
+                    f"{self.peers[sender]} bounded from {declared[sender]:.6g} to {weight:.6g} "
+                    f"(its limit {self.round.weight_limits.get(sender)}, or "
+                    f"{self.round.max_weight_ratio} x the group's median)",
+                )
         self._notify()
 
     async def _contribute_local(self) -> None:
@@ -178,8 +188,9 @@ class SpanReducer:
             self._contribute(self.me, part, values)
             await asyncio.sleep(0)  # let the network make progress between parts
 
-    def _contribute(self, sender: int, part: Part, values: torch.Tensor,
-                    lossy_wire: tuple | None = None) -> None:
+    def _contribute(
+        self, sender: int, part: Part, values: torch.Tensor, lossy_wire: tuple | None = None
+    ) -> None:
         state = self.states.get(part.index)
         if state is None:
             robust = self.round.robust
@@ -195,8 +206,9 @@ class SpanReducer:
         completed = self.core.exclude(sender, reason, asyncio.get_running_loop().time())
         channel = self.channels.get(sender)
         if channel is not None:
-            channel.push(SenderExcluded(f"{EXCLUDED_YOU} {self.tag} ({self.round.host.peer_id.short()}): "
-                                        f"{reason}"))
+            channel.push(
+                SenderExcluded(f"{EXCLUDED_YOU} {self.tag} ({self.round.host.peer_id.short()}): {reason}")
+            )
             channel.close()
             if channel.reader is not None and channel.reader is not asyncio.current_task():
                 channel.reader.cancel()
@@ -241,14 +253,21 @@ class SpanReducer:
         recipients = [s for s in sorted(self.core.live) if s != self.me and s in self.channels]
         dtype = self.partition.dtype(part)
         target = self.partition.output(part) if self.round.is_sender and self.me in self.core.live else None
-        in_place = (target is not None and self.round.alpha == 1.0 and target.device.type == "cpu"
-                    and state is not None and target.dtype == state.dtype)  # final: shared from there
+        in_place = (
+            target is not None
+            and self.round.alpha == 1.0
+            and target.device.type == "cpu"
+            and state is not None
+            and target.dtype == state.dtype
+        )  # final: shared from there
         average, radius = state.average(target if in_place else None) if state is not None else (None, None)
         if isinstance(state, ClippedPart) and not state.converged:
-            _faults.warning(("centered clip not converged",),
-                            f"all-reduce {self.tag}: CenteredClip of part {index} did not converge in "
-                            f"{state.iterations} steps; verifiers may reject it (is clip_radius far below "
-                            f"the members' spread?)")
+            _faults.warning(
+                ("centered clip not converged",),
+                f"all-reduce {self.tag}: CenteredClip of part {index} did not converge in "
+                f"{state.iterations} steps; verifiers may reject it (is clip_radius far below "
+                f"the members' spread?)",
+            )
         if target is not None:
             self.round._applied[self.me] = index + 1  # in place by the end of this call, or kept
             if self.round.verifying:
@@ -262,8 +281,9 @@ class SpanReducer:
             return
         average = self.round.reduced(part, average)
 
-        def header(kind: AnswerKind, sender: int, name: str = dtype_name(dtype),
-                   compression: int = 0) -> bytes:
+        def header(
+            kind: AnswerKind, sender: int, name: str = dtype_name(dtype), compression: int = 0
+        ) -> bytes:
             weight = self.weights[sender] if self.round.verifying and index == 0 else None
             return AnswerHeader(index, kind, part.numel, name, compression, radius, weight).encode()
 
@@ -276,8 +296,9 @@ class SpanReducer:
                 self.channels[sender].push((header(AnswerKind.AVERAGE, sender), shared))
             else:
                 delta = (average - x_decoded).to(dtype)
-                name, compression, buffer = encode_tensor(delta, self.partition.compression_info(part),
-                                                          self.round.compression)
+                name, compression, buffer = encode_tensor(
+                    delta, self.partition.compression_info(part), self.round.compression
+                )
                 self.channels[sender].push((header(AnswerKind.DELTA, sender, name, compression), buffer))
         if target is not None and average.data_ptr() != target.data_ptr():
             self.partition.apply_average(part, average, self.round.alpha)
@@ -301,8 +322,13 @@ class SpanReducer:
         if self.round.is_sender and self.weights is not None and self.me in self.weights:
             expected[self.me] = self.weights[self.me]
         seed = os.urandom(SEED_BYTES)
-        self.verifier = Verifier(self.me, [self.partition.num_parts(j) for j in range(len(self.peers))],
-                                  expected, self.round.robust, self.round.part_precision)
+        self.verifier = Verifier(
+            self.me,
+            [self.partition.num_parts(j) for j in range(len(self.peers))],
+            expected,
+            self.round.robust,
+            self.round.part_precision,
+        )
         for sender in due:
             self.channels[sender].push((VerifySeed(seed).encode(), None))
         if self.me in expected:
@@ -310,11 +336,16 @@ class SpanReducer:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.round.reducer_timeout):
                 await self._wait_until(
-                    lambda: all(s in self.verifier.reports or s not in self.core.live for s in due))
+                    lambda: all(s in self.verifier.reports or s not in self.core.live for s in due)
+                )
         verdict = self.verifier.verdict()
         for span, reason in verdict.reasons.items():
-            log_peer_fault(self.peers[span], reason, f"all-reduce {self.tag}: verification of the "
-                          f"span reduced by {self.peers[span]} failed: {reason}")
+            log_peer_fault(
+                self.peers[span],
+                reason,
+                f"all-reduce {self.tag}: verification of the "
+                f"span reduced by {self.peers[span]} failed: {reason}",
+            )
         self.own_verdict = verdict.bad_parts
         frame = VerifyVerdict(verdict.bad_parts).encode()
         for sender, channel in self.channels.items():
@@ -324,8 +355,9 @@ class SpanReducer:
 
     # --- one sender's stream ---------------------------------------------------------
 
-    async def serve_sender(self, stream, first: PartHeader,
-                           frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def serve_sender(
+        self, stream, first: PartHeader, frames: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
         """The reducer's side of one sender's stream: read its parts, yield the answer frames."""
         sender = self.peers.index(stream.remote_peer)  # the runner checked it is one of the senders
         try:
@@ -369,15 +401,21 @@ class SpanReducer:
         try:
             while received < self.num_parts:
                 channel = self.channels[sender]
-                await self._wait_until(lambda: sender not in self.core.live or self.core.allowed(sender)
-                                       and len(channel.answers) < self.round.window)
+                await self._wait_until(
+                    lambda: (
+                        sender not in self.core.live
+                        or self.core.allowed(sender)
+                        and len(channel.answers) < self.round.window
+                    )
+                )
                 if sender not in self.core.live:
                     return
                 if header is None:
                     header = PartHeader.decode(await self._next_frame(frames, f"after {received} parts"))
                     if header.group_id is not None:
-                        raise ValueError(f"part {header.index} repeats group_id/weight; only the first part "
-                                         f"has them")
+                        raise ValueError(
+                            f"part {header.index} repeats group_id/weight; only the first part has them"
+                        )
                 buffer = await self._next_frame(frames, f"before the buffer of part {header.index}")
                 part = self._check_part(header)
                 values = decode_tensor(header.numel, header.dtype, header.compression, buffer)
@@ -396,8 +434,14 @@ class SpanReducer:
                 self._notify()
         except asyncio.CancelledError:
             raise
-        except (ValueError, MessageError, CompressionError, rpc.RPCProtocolError, ConnectionError,
-                asyncio.IncompleteReadError) as error:
+        except (
+            ValueError,
+            MessageError,
+            CompressionError,
+            rpc.RPCProtocolError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+        ) as error:
             plain = type(error) is ValueError  # our own checks: the message says it all
             self._exclude(sender, str(error) if plain else f"{type(error).__name__}: {error}")
 
@@ -414,7 +458,9 @@ class SpanReducer:
             raise ValueError(f"part index {header.index} is outside this span's {self.num_parts} parts")
         dtype = dtype_name(self.partition.dtype(part))
         if header.numel != part.numel or header.dtype != dtype:
-            raise ValueError(f"part {header.index} has {header.numel} x {header.dtype}, expected "
-                             f"{part.numel} x {dtype}: do all peers use the same tensors, part_size_bytes "
-                             f"and compression?")
+            raise ValueError(
+                f"part {header.index} has {header.numel} x {header.dtype}, expected "
+                f"{part.numel} x {dtype}: do all peers use the same tensors, part_size_bytes "
+                f"and compression?"
+            )
         return part

@@ -40,8 +40,16 @@ class ReducerCore:
     """Who has contributed which part of one reducer's span, who is excluded, what is complete,
     whose stall clock has run out (see the module comment)."""
 
-    def __init__(self, num_parts: int, senders: Iterable[int], *, window: int, sender_timeout: float,
-                 now: float, exempt: Iterable[int] = ()):
+    def __init__(
+        self,
+        num_parts: int,
+        senders: Iterable[int],
+        *,
+        window: int,
+        sender_timeout: float,
+        now: float,
+        exempt: Iterable[int] = (),
+    ):
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.num_parts, self.window, self.sender_timeout = num_parts, window, sender_timeout
@@ -80,8 +88,12 @@ class ReducerCore:
     def allowed(self, sender: int) -> bool:
         """Whether `sender` may contribute its next part now."""
         part = self.next_part[sender]
-        return (sender in self.live and self.settled and part < self.num_parts
-                and part < self.frontier + self.window)
+        return (
+            sender in self.live
+            and self.settled
+            and part < self.num_parts
+            and part < self.frontier + self.window
+        )
 
     def contribute(self, sender: int, index: int, now: float) -> range:
         """Record part `index` from `sender`; returns the parts this completes.
@@ -96,7 +108,9 @@ class ReducerCore:
         if not self.settled:
             raise ValueError(f"part {index} came before every sender opened its stream (weights unknown)")
         if not self.allowed(sender):
-            raise ValueError(f"part {index} is beyond the window (frontier {self.frontier}, window {self.window})")
+            raise ValueError(
+                f"part {index} is beyond the window (frontier {self.frontier}, window {self.window})"
+            )
         self.next_part[sender] = expected + 1
         self._since[sender] = now
         return self._advance(now)
@@ -137,5 +151,7 @@ class ReducerCore:
 
     def __repr__(self) -> str:
         opened = "settled" if self.settled else f"opened {sorted(self.opened)}"
-        return (f"<ReducerCore {self.frontier}/{self.num_parts} parts, live {sorted(self.live)}, {opened}, "
-                f"excluded {sorted(self.excluded)}>")
+        return (
+            f"<ReducerCore {self.frontier}/{self.num_parts} parts, live {sorted(self.live)}, {opened}, "
+            f"excluded {sorted(self.excluded)}>"
+        )

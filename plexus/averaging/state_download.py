@@ -113,16 +113,26 @@ def parse_declaration(subkey: Any, value: Any) -> Donor | None:
     return Donor(peer_id, float(priority), tuple(addrs))
 
 
-async def find_donors(dht_node: DHTNode, prefix: str, *, exclude: PeerID | None = None,
-                      min_priority: float | None = None, rng: random.Random | None = None) -> list[Donor]:
+async def find_donors(
+    dht_node: DHTNode,
+    prefix: str,
+    *,
+    exclude: PeerID | None = None,
+    min_priority: float | None = None,
+    rng: random.Random | None = None,
+) -> list[Donor]:
     """Donors declared under `prefix`, highest priority first, ties in random order."""
     rng = rng or random.Random()
     found = await dht_node.get(all_averagers_key(prefix), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    donors = [donor for subkey, item in found.value.items()
-              if (donor := parse_declaration(subkey, item.value)) is not None and donor.peer_id != exclude
-              and (min_priority is None or donor.priority >= min_priority)]
+    donors = [
+        donor
+        for subkey, item in found.value.items()
+        if (donor := parse_declaration(subkey, item.value)) is not None
+        and donor.peer_id != exclude
+        and (min_priority is None or donor.priority >= min_priority)
+    ]
     return sorted(donors, key=lambda donor: (-donor.priority, rng.random()))
 
 
@@ -201,8 +211,9 @@ def _assemble(manifest: StateManifest, have: dict[bytes, bytes]) -> list[torch.T
             take = min(size - within, end - start)
             pieces.append(chunks[index][within : within + take])
             start += take
-        serialized = SerializedTensor(b"".join(pieces), header.size, header.dtype, header.compression,
-                                      header.requires_grad)
+        serialized = SerializedTensor(
+            b"".join(pieces), header.size, header.dtype, header.compression, header.requires_grad
+        )
         tensors.append(deserialize_torch_tensor(serialized))
         offset = end
     return tensors
@@ -224,9 +235,18 @@ def _describe(error: BaseException, stall_timeout: float) -> str:
 class _Download:
     """One `load_state_from_peers` call: its deadline, the chunks verified so far, and who failed."""
 
-    def __init__(self, host: Host, prefix: str, deadline: float, stall_timeout: float, max_donors: int,
-                 batch_chunks: int, rng: random.Random, min_priority: float | None = None,
-                 reject_nonfinite: bool = True):
+    def __init__(
+        self,
+        host: Host,
+        prefix: str,
+        deadline: float,
+        stall_timeout: float,
+        max_donors: int,
+        batch_chunks: int,
+        rng: random.Random,
+        min_priority: float | None = None,
+        reject_nonfinite: bool = True,
+    ):
         self.host, self.prefix, self.deadline, self.stall_timeout = host, prefix, deadline, stall_timeout
         self.max_donors, self.batch_chunks, self.rng = max_donors, batch_chunks, rng
         self.min_priority, self.reject_nonfinite = min_priority, reject_nonfinite
@@ -287,8 +307,9 @@ class _Download:
             raise _DonorFailed(f"sent metadata that does not unpack: {error}") from None
         return reply.manifest, metadata
 
-    async def fetch_chunks(self, donor: Donor, manifest: StateManifest, indices: list[int],
-                           board: _ChunkBoard) -> None:
+    async def fetch_chunks(
+        self, donor: Donor, manifest: StateManifest, indices: list[int], board: _ChunkBoard
+    ) -> None:
         request = StateRequest(self.prefix, RequestKind.CHUNKS, manifest.snapshot_id, tuple(indices))
         _, stream = await self._request(donor, request, MAX_REQUEST_SIZE)
         try:
@@ -298,8 +319,10 @@ class _Download:
                     raise _DonorFailed(f"closed the stream after {count} of {len(indices)} chunks")
                 digest = manifest.chunk_hash(index)
                 if len(data) != manifest.chunk_length(index) or hashlib.sha256(data).digest() != digest:
-                    raise _DonorFailed(f"sent chunk {index} whose SHA-256 does not match its own manifest "
-                                       f"(corrupted or tampered with)")
+                    raise _DonorFailed(
+                        f"sent chunk {index} whose SHA-256 does not match its own manifest "
+                        f"(corrupted or tampered with)"
+                    )
                 board.deliver(digest, data)
                 self.served[donor.peer_id] = self.served.get(donor.peer_id, 0) + 1
         finally:
@@ -352,8 +375,9 @@ class _Download:
                 self._fail(donor, error)
                 return
 
-    async def _first_manifests(self, manifests: dict[asyncio.Task, Donor]
-                               ) -> list[tuple[Donor, StateManifest, Any]]:
+    async def _first_manifests(
+        self, manifests: dict[asyncio.Task, Donor]
+    ) -> list[tuple[Donor, StateManifest, Any]]:
         """The manifests that arrive within one stall timeout, best declared donor first.
 
         Returns early once one states at least `min_priority` and every donor still pending
@@ -393,15 +417,18 @@ class _Download:
                 for other, other_manifest, _ in answered:
                     stated = _stated_priority(other, other_manifest)
                     self.notes[other.peer_id] = f"has state of priority {stated}, below {self.min_priority}"
-                self.newest_refused = max(priority, self.newest_refused if self.newest_refused is not None
-                                          else priority)
+                self.newest_refused = max(
+                    priority, self.newest_refused if self.newest_refused is not None else priority
+                )
                 self.incomplete_attempts += 1
                 return None
             board = self.board = _ChunkBoard(manifest, self.have)
-            logger.info(f"downloading state {self.prefix!r} from {donor.peer_id} "
-                        f"(priority {priority}, declared {donor.priority}): "
-                        f"{manifest.total_bytes / 2**20:.1f} MiB in {manifest.num_chunks} chunks, "
-                        f"{len(self.have)} already in hand")
+            logger.info(
+                f"downloading state {self.prefix!r} from {donor.peer_id} "
+                f"(priority {priority}, declared {donor.priority}): "
+                f"{manifest.total_bytes / 2**20:.1f} MiB in {manifest.num_chunks} chunks, "
+                f"{len(self.have)} already in hand"
+            )
             for helper, helper_manifest, _ in answered:  # older donors help with the chunks they share
                 workers.add(self.loop.create_task(self.worker(helper, helper_manifest, board)))
             pending = set(manifests) | workers
@@ -426,9 +453,11 @@ class _Download:
                 self._fail(donor, _DonorFailed(f"sent a manifest whose tensors do not decode: {error}"))
                 return None
             if self.reject_nonfinite and (bad := first_nonfinite(tensors)) is not None:
-                _refusals.warning(("nonfinite state", donor.peer_id),
-                                  f"refusing the state {self.prefix!r} of {donor.peer_id}: its tensor "
-                                  f"{bad} holds NaN or inf")
+                _refusals.warning(
+                    ("nonfinite state", donor.peer_id),
+                    f"refusing the state {self.prefix!r} of {donor.peer_id}: its tensor "
+                    f"{bad} holds NaN or inf",
+                )
                 self._fail(donor, _DonorFailed(f"sent a state whose tensor {bad} holds NaN or inf"))
                 return None
             return metadata, tensors
@@ -461,11 +490,20 @@ async def stated_priority(host: Host, prefix: str, peer_id: PeerID, *, timeout: 
     return manifest.priority
 
 
-async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, timeout: float | None = None,
-                                max_attempts: int = 3, min_priority: float | None = None, max_donors: int = 4,
-                                stall_timeout: float = 30.0, batch_chunks: int = 8,
-                                rng: random.Random | None = None,
-                                reject_nonfinite: bool = True) -> tuple[Any, list[torch.Tensor]] | None:
+async def load_state_from_peers(
+    host: Host,
+    dht_node: DHTNode,
+    prefix: str,
+    *,
+    timeout: float | None = None,
+    max_attempts: int = 3,
+    min_priority: float | None = None,
+    max_donors: int = 4,
+    stall_timeout: float = 30.0,
+    batch_chunks: int = 8,
+    rng: random.Random | None = None,
+    reject_nonfinite: bool = True,
+) -> tuple[Any, list[torch.Tensor]] | None:
     """Download (metadata, tensors) from the peers sharing state under `prefix`.
 
     Args:
@@ -491,12 +529,23 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
     """
     timeout = DEFAULT_DOWNLOAD_TIMEOUT if timeout is None else timeout
     if timeout <= 0 or max_attempts < 1 or max_donors < 1 or not 0 < batch_chunks <= MAX_CHUNKS_PER_REQUEST:
-        raise ValueError("timeout, max_attempts and max_donors must be positive, and batch_chunks "
-                         f"in [1, {MAX_CHUNKS_PER_REQUEST}]")
+        raise ValueError(
+            "timeout, max_attempts and max_donors must be positive, and batch_chunks "
+            f"in [1, {MAX_CHUNKS_PER_REQUEST}]"
+        )
     loop = asyncio.get_running_loop()
     started = loop.time()
-    download = _Download(host, prefix, started + timeout, stall_timeout, max_donors, batch_chunks,
-                         rng or random.Random(), min_priority, reject_nonfinite)
+    download = _Download(
+        host,
+        prefix,
+        started + timeout,
+        stall_timeout,
+        max_donors,
+        batch_chunks,
+        rng or random.Random(),
+        min_priority,
+        reject_nonfinite,
+    )
     attempts = 0
     try:
         async with asyncio.timeout_at(download.deadline):
@@ -510,17 +559,22 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
                 if result is not None:
                     elapsed = loop.time() - started
                     served = ", ".join(f"{peer.short()}: {n}" for peer, n in download.served.items())
-                    logger.info(f"loaded state {prefix!r} in {elapsed:.2f} s "
-                                f"(chunks per donor: {served or 'none'})")
+                    logger.info(
+                        f"loaded state {prefix!r} in {elapsed:.2f} s (chunks per donor: {served or 'none'})"
+                    )
                     return result
     except TimeoutError:
         board = download.board
-        progress = (f"{board.total - len(board.missing) - len(board.claimed)} of {board.total} chunks"
-                    if board else "no manifest")
+        progress = (
+            f"{board.total - len(board.missing) - len(board.claimed)} of {board.total} chunks"
+            if board
+            else "no manifest"
+        )
         raise StateDownloadTimeout(
             f"loading state {prefix!r} did not finish within {timeout} s ({progress} verified; "
             f"{download.summary()}). Raise the timeout, or check that the donors are reachable.",
-            dict(download.failures)) from None
+            dict(download.failures),
+        ) from None
     if not download.failures and not download.incomplete_attempts:
         logger.info(f"no peer shares state under {prefix!r}; nothing to load")
         return None
@@ -529,7 +583,10 @@ async def load_state_from_peers(host: Host, dht_node: DHTNode, prefix: str, *, t
             f"could not load state {prefix!r} of priority {download.min_priority} or newer after {attempts} "
             f"attempt(s): the newest state the donors that answered have is {download.newest_refused} "
             f"({download.summary()}). The donors may not have reached it yet: retry later.",
-            dict(download.failures))
+            dict(download.failures),
+        )
     raise StateDownloadError(
         f"could not load state {prefix!r} after {attempts} attempt(s) in {loop.time() - started:.1f} s: "
-        f"{download.summary()}. Check that the donors are online and reachable.", dict(download.failures))
+        f"{download.summary()}. Check that the donors are online and reachable.",
+        dict(download.failures),
+    )

@@ -81,8 +81,9 @@ class StateRequest(Message):
             if len(self.snapshot_id) != SNAPSHOT_ID_SIZE:
                 raise ValueError(f"snapshot_id must have {SNAPSHOT_ID_SIZE} bytes")
             if not 0 < len(self.chunks) <= MAX_CHUNKS_PER_REQUEST:
-                raise ValueError(f"a CHUNKS request asks for 1 to {MAX_CHUNKS_PER_REQUEST} chunks, "
-                                 f"not {len(self.chunks)}")
+                raise ValueError(
+                    f"a CHUNKS request asks for 1 to {MAX_CHUNKS_PER_REQUEST} chunks, not {len(self.chunks)}"
+                )
             if any(index < 0 or index >= MAX_CHUNKS for index in self.chunks):
                 raise ValueError(f"chunk indices must be in [0, {MAX_CHUNKS})")
         else:
@@ -101,8 +102,9 @@ class TensorHeader(Message):
 
     def __post_init__(self) -> None:
         if len(self.size) > MAX_NDIM or any(d < 0 or d > MAX_DIM for d in self.size):
-            raise ValueError(f"tensor size {self.size} is outside the limits "
-                             f"({MAX_NDIM} dims of at most {MAX_DIM})")
+            raise ValueError(
+                f"tensor size {self.size} is outside the limits ({MAX_NDIM} dims of at most {MAX_DIM})"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if self.compression not in CompressionType._value2member_map_:
@@ -112,8 +114,10 @@ class TensorHeader(Message):
         except CompressionError as error:
             raise ValueError(str(error)) from None
         if self.nbytes != expected:
-            raise ValueError(f"a tensor of size {self.size}, {self.dtype}, compression {self.compression} "
-                             f"has {expected} bytes, not {self.nbytes}")
+            raise ValueError(
+                f"a tensor of size {self.size}, {self.dtype}, compression {self.compression} "
+                f"has {expected} bytes, not {self.nbytes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,10 @@ class StateManifest(Message):
         if num_chunks > MAX_CHUNKS:
             raise ValueError(f"{num_chunks} chunks exceed the limit of {MAX_CHUNKS}")
         if len(self.chunk_hashes) != num_chunks * HASH_SIZE:
-            raise ValueError(f"{self.total_bytes} bytes in {self.chunk_size}-byte chunks need {num_chunks} "
-                             f"hashes, got {len(self.chunk_hashes) / HASH_SIZE:g}")
+            raise ValueError(
+                f"{self.total_bytes} bytes in {self.chunk_size}-byte chunks need {num_chunks} "
+                f"hashes, got {len(self.chunk_hashes) / HASH_SIZE:g}"
+            )
 
     @cached_property
     def total_bytes(self) -> int:

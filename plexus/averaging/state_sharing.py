@@ -97,20 +97,33 @@ def _sources(tensors: Sequence[torch.Tensor]) -> list:
 def _same_tensors(sources: list, tensors: Sequence[torch.Tensor]) -> bool:
     """The very tensors a snapshot was copied from, not written to since (no id reuse: weak refs)."""
     return len(sources) == len(tensors) and all(
-        ref() is tensor and version == tensor._version for (ref, version), tensor in zip(sources, tensors))
+        ref() is tensor and version == tensor._version for (ref, version), tensor in zip(sources, tensors)
+    )
 
 
-def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor],
-                        infos: Sequence[CompressionInfo | None], compression: CompressionBase,
-                        chunk_size: int, priority: float | None = None) -> tuple[StateManifest, list]:
+def _serialize_snapshot(
+    metadata: Any,
+    tensors: Sequence[torch.Tensor],
+    infos: Sequence[CompressionInfo | None],
+    compression: CompressionBase,
+    chunk_size: int,
+    priority: float | None = None,
+) -> tuple[StateManifest, list]:
     """Compress private copies of the tensors, cut their buffers into chunks, hash them (in a thread)."""
     metadata_bytes = MSGPackSerializer.dumps(metadata)
     headers, buffers = [], []
     for tensor, info in zip(tensors, infos):
         info = info or CompressionInfo.from_tensor(tensor)
         serialized = compression.compress(tensor, info, allow_inplace=True)
-        headers.append(TensorHeader(serialized.size, serialized.dtype, int(serialized.compression),
-                                    serialized.requires_grad, len(serialized.buffer)))
+        headers.append(
+            TensorHeader(
+                serialized.size,
+                serialized.dtype,
+                int(serialized.compression),
+                serialized.requires_grad,
+                len(serialized.buffer),
+            )
+        )
         buffers.append(serialized.buffer)
     chunks, pieces, filled = [], [], 0
     for buffer in buffers:  # chunks are views into the buffers; only chunks spanning two are joined
@@ -125,8 +138,9 @@ def _serialize_snapshot(metadata: Any, tensors: Sequence[torch.Tensor],
     if pieces:
         chunks.append(pieces[0] if len(pieces) == 1 else b"".join(pieces))
     hashes = b"".join(hashlib.sha256(chunk).digest() for chunk in chunks)
-    manifest = StateManifest(os.urandom(SNAPSHOT_ID_SIZE), metadata_bytes, tuple(headers), chunk_size, hashes,
-                             priority)
+    manifest = StateManifest(
+        os.urandom(SNAPSHOT_ID_SIZE), metadata_bytes, tuple(headers), chunk_size, hashes, priority
+    )
     return manifest, chunks
 
 
@@ -203,13 +217,25 @@ class StateSharing:
         snapshot_retention: seconds after its last use that an unused snapshot is dropped.
     """
 
-    def __init__(self, host: Host, dht_node: DHTNode, prefix: str,
-                 get_current_state: Callable[[], tuple], *, state_lock: ContextManager | None = None,
-                 state_compression: CompressionBase = NoCompression(),
-                 declare_period: float = 30.0, priority: float = 0.0, allow_sharing: bool = True,
-                 client_mode: bool = False, chunk_size_bytes: int = DEFAULT_CHUNK_SIZE,
-                 max_concurrent_uploads: int = 4, snapshot_max_age: float = 5.0,
-                 snapshot_retention: float = 30.0, upload_stall_timeout: float = 30.0):
+    def __init__(
+        self,
+        host: Host,
+        dht_node: DHTNode,
+        prefix: str,
+        get_current_state: Callable[[], tuple],
+        *,
+        state_lock: ContextManager | None = None,
+        state_compression: CompressionBase = NoCompression(),
+        declare_period: float = 30.0,
+        priority: float = 0.0,
+        allow_sharing: bool = True,
+        client_mode: bool = False,
+        chunk_size_bytes: int = DEFAULT_CHUNK_SIZE,
+        max_concurrent_uploads: int = 4,
+        snapshot_max_age: float = 5.0,
+        snapshot_retention: float = 30.0,
+        upload_stall_timeout: float = 30.0,
+    ):
         if not MIN_CHUNK_SIZE <= chunk_size_bytes <= MAX_CHUNK_SIZE:
             raise ValueError(f"chunk_size_bytes must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}]")
         if max_concurrent_uploads < 1 or declare_period <= 0:
@@ -305,11 +331,14 @@ class StateSharing:
         expiration = get_dht_time() + 2 * self.declare_period
         try:
             async with asyncio.timeout(timeout or self.declare_period):
-                stored = await self.dht_node.store(all_averagers_key(self.prefix), value, expiration,
-                                                   subkey=self.host.peer_id.to_bytes())
+                stored = await self.dht_node.store(
+                    all_averagers_key(self.prefix), value, expiration, subkey=self.host.peer_id.to_bytes()
+                )
             if not stored:
-                logger.warning(f"no DHT peer accepted our state-sharing declaration under {self.prefix!r}; "
-                               f"retrying in {self.declare_period} s")
+                logger.warning(
+                    f"no DHT peer accepted our state-sharing declaration under {self.prefix!r}; "
+                    f"retrying in {self.declare_period} s"
+                )
         except (Exception, TimeoutError) as error:
             logger.warning(f"could not declare state sharing under {self.prefix!r} in the DHT: {error!r}")
 
@@ -333,8 +362,9 @@ class StateSharing:
             try:
                 snapshot = await self._current_snapshot()
             except Exception as error:
-                logger.warning(f"could not snapshot the state under {self.prefix!r}: {error!r}",
-                               exc_info=True)
+                logger.warning(
+                    f"could not snapshot the state under {self.prefix!r}: {error!r}", exc_info=True
+                )
                 raise ValueError(f"the donor failed to snapshot its state: {error!r}") from None
             await rpc.write_frame(stream, snapshot.reply)
         else:
@@ -385,8 +415,9 @@ class StateSharing:
             # worker thread, so a training thread holding that lock never stalls the event loop
             version = self._version
             newest = self._snapshots[-1] if self._snapshots else None
-            if newest is not None and (newest.version != version
-                                       or self._loop.time() - newest.created > self.snapshot_max_age):
+            if newest is not None and (
+                newest.version != version or self._loop.time() - newest.created > self.snapshot_max_age
+            ):
                 newest = None
             taken = await asyncio.to_thread(self._take_state, newest)
             if taken is None:  # the state has not changed since the newest snapshot
@@ -394,8 +425,14 @@ class StateSharing:
                 return newest
             metadata, copies, infos, priority, sources = taken
             manifest, chunks = await asyncio.to_thread(
-                _serialize_snapshot, metadata, copies, list(infos), self.state_compression, self.chunk_size,
-                priority)
+                _serialize_snapshot,
+                metadata,
+                copies,
+                list(infos),
+                self.state_compression,
+                self.chunk_size,
+                priority,
+            )
             del copies
             now = self._loop.time()
             reply = StateReply(ReplyStatus.OK, manifest=manifest).encode()
@@ -417,9 +454,12 @@ class StateSharing:
             priority = self._priority
             state = self.get_current_state()
             metadata, tensors, infos = state if len(state) == 3 else (*state, [None] * len(state[1]))
-            if (newest is not None and newest.manifest.priority == priority
-                    and newest.manifest.metadata == MSGPackSerializer.dumps(metadata)
-                    and _same_tensors(newest.sources, tensors)):
+            if (
+                newest is not None
+                and newest.manifest.priority == priority
+                and newest.manifest.metadata == MSGPackSerializer.dumps(metadata)
+                and _same_tensors(newest.sources, tensors)
+            ):
                 return None
             copies = [tensor.detach().to("cpu", copy=True) for tensor in tensors]
             return metadata, copies, infos, priority, _sources(tensors)
@@ -442,8 +482,10 @@ class StateSharing:
 
     def __repr__(self) -> str:
         state = "sharing" if self._allow_sharing and not self.client_mode else "not sharing"
-        return (f"<StateSharing {self.prefix!r} {state} priority={self._priority} "
-                f"snapshots={len(self._snapshots)} uploads={self._uploads}>")
+        return (
+            f"<StateSharing {self.prefix!r} {state} priority={self._priority} "
+            f"snapshots={len(self._snapshots)} uploads={self._uploads}>"
+        )
 
 
 def _check_priority(value) -> float:

@@ -102,8 +102,11 @@ class PartPrecision(NamedTuple):
 
     @classmethod
     def of(cls, dtype: torch.dtype, compression_type: int) -> PartPrecision:
-        return cls(torch.finfo(dtype).eps, torch.finfo(accumulator_dtype(dtype)).eps,
-                   CODEC_ERROR.get(compression_type, 1.0))
+        return cls(
+            torch.finfo(dtype).eps,
+            torch.finfo(accumulator_dtype(dtype)).eps,
+            CODEC_ERROR.get(compression_type, 1.0),
+        )
 
 
 def part_row(sent: torch.Tensor, applied: torch.Tensor, radius: float, z: torch.Tensor) -> tuple[float, ...]:
@@ -165,8 +168,14 @@ class Verifier:
         precision: (span, part) -> the part's PartPrecision (its dtype and wire compression).
     """
 
-    def __init__(self, me: int, num_parts: Sequence[int], expected: Mapping[int, float],
-                 options: RobustAggregation, precision: Callable[[int, int], PartPrecision]):
+    def __init__(
+        self,
+        me: int,
+        num_parts: Sequence[int],
+        expected: Mapping[int, float],
+        options: RobustAggregation,
+        precision: Callable[[int, int], PartPrecision],
+    ):
         self.me, self.num_parts, self.expected, self.options = me, list(num_parts), dict(expected), options
         self.precision = precision
         self.reports: dict[int, list[tuple[float, np.ndarray]]] = {}
@@ -201,8 +210,11 @@ class Verifier:
                 return list(range(total)), f"it gave sender {sender} weight {weight}, expected {expected}"
         failed, first_reason = [], ""
         for part in range(total):
-            rows = [(weights[sender], spans[span][1][part]) for sender, spans in self.reports.items()
-                    if len(spans[span][1]) > part]  # a member that lost the answer to a part is not in it
+            rows = [
+                (weights[sender], spans[span][1][part])
+                for sender, spans in self.reports.items()
+                if len(spans[span][1]) > part
+            ]  # a member that lost the answer to a part is not in it
             reason = self._judge_part(rows, self.precision(span, part))
             if reason:
                 failed.append(part)
@@ -235,8 +247,9 @@ class Verifier:
         spread = sum(w * uncertainty(precision, result_norm, row[2], radius) for w, row in rows)
         allowed = DETECTION_SIGMAS * (total_weight * self.options.tolerance + spread)
         if not abs(residual) <= allowed:
-            return (f"clipped differences sum to {residual:.3g} along a random direction "
-                    f"(allowed {allowed:.3g})")
+            return (
+                f"clipped differences sum to {residual:.3g} along a random direction (allowed {allowed:.3g})"
+            )
         return ""
 
 
@@ -246,8 +259,11 @@ def discarded_parts(verdicts: Mapping[int, Sequence[Sequence[int] | None]], num_
     `verdicts`: verifier index -> its `bad_parts` (this peer's own included when it is a verifier)."""
     discarded = {}
     for span, total in enumerate(num_parts):
-        judged = [verdict[span] for verifier, verdict in verdicts.items()
-                  if verifier != span and len(verdict) == len(num_parts) and verdict[span] is not None]
+        judged = [
+            verdict[span]
+            for verifier, verdict in verdicts.items()
+            if verifier != span and len(verdict) == len(num_parts) and verdict[span] is not None
+        ]
         if not judged or total == 0:
             continue
         flags = np.zeros(total, dtype=np.int64)

@@ -11,11 +11,17 @@ from pathlib import Path
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="read options from a JSON, TOML or YAML file "
-                        "whose keys are the flag names (command-line flags win)")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read options from a JSON, TOML or YAML file "
+        "whose keys are the flag names (command-line flags win)",
+    )
 
 
-def parse_with_config(parser: argparse.ArgumentParser, argv=None, subparsers: dict | None = None) -> argparse.Namespace:
+def parse_with_config(
+    parser: argparse.ArgumentParser, argv=None, subparsers: dict | None = None
+) -> argparse.Namespace:
     """Parse `argv`, taking defaults from `--config` (set on the chosen sub-command's parser)."""
     first, _ = parser.parse_known_args(argv)
     if getattr(first, "config", None):
@@ -44,7 +50,9 @@ def load_config(path: str) -> dict:
         try:
             import yaml
         except ImportError:
-            raise SystemExit(f"reading {path} needs PyYAML (pip install pyyaml), or use a .json/.toml file") from None
+            raise SystemExit(
+                f"reading {path} needs PyYAML (pip install pyyaml), or use a .json/.toml file"
+            ) from None
         options = yaml.safe_load(text) or {}
     else:
         raise SystemExit(f"config file {path} should end in .json, .toml, .yml or .yaml")
@@ -56,16 +64,40 @@ def load_config(path: str) -> dict:
 def add_peer_arguments(parser) -> None:
     """The flags every long-running peer takes: where to join, listen and announce, its identity,
     and whether to use relays (hivemind's names)."""
-    parser.add_argument("--initial_peers", nargs="*", default=[], metavar="MADDR",
-                        help="multiaddrs of peers to join (…/p2p/<peer id>); none starts a new swarm")
-    parser.add_argument("--host_maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                        help="addresses to listen on (default: all interfaces, port chosen by the OS)")
-    parser.add_argument("--announce_maddrs", nargs="*", default=[], metavar="MADDR",
-                        help="addresses to advertise instead of the listening ones (e.g. a public IP)")
-    parser.add_argument("--identity_path", help="file with this peer's private key (created when missing), "
-                        "so its peer id and address stay the same across restarts")
-    parser.add_argument("--no_relay", action="store_true",
-                        help="do not dial peers through circuit relays (nor accept relayed connections)")
-    parser.add_argument("--use_auto_relay", action="store_true",
-                        help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
-                        "advertise relayed addresses")
+    parser.add_argument(
+        "--initial_peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of peers to join (…/p2p/<peer id>); none starts a new swarm",
+    )
+    parser.add_argument(
+        "--host_maddrs",
+        nargs="+",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="addresses to listen on (default: all interfaces, port chosen by the OS)",
+    )
+    parser.add_argument(
+        "--announce_maddrs",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="addresses to advertise instead of the listening ones (e.g. a public IP)",
+    )
+    parser.add_argument(
+        "--identity_path",
+        help="file with this peer's private key (created when missing), "
+        "so its peer id and address stay the same across restarts",
+    )
+    parser.add_argument(
+        "--no_relay",
+        action="store_true",
+        help="do not dial peers through circuit relays (nor accept relayed connections)",
+    )
+    parser.add_argument(
+        "--use_auto_relay",
+        action="store_true",
+        help="when other peers cannot dial this one (AutoNAT), reserve slots on relays and "
+        "advertise relayed addresses",
+    )

@@ -21,8 +21,9 @@ from ..utils.logging import get_logger
 
 HELP = "pre-train a tiny ALBERT with a local swarm (monitor, 3 trainers, 1 client-mode trainer)"
 logger = get_logger(__name__)
-EXAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                           "examples", "albert")
+EXAMPLE_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "albert"
+)
 PASSED_ON = ("steps", "trainers", "client_trainers", "host", "target_batch_size", "data_dir", "run_dir")
 
 
@@ -30,11 +31,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, help="stop after this many global steps (default 30)")
     parser.add_argument("--trainers", type=int, help="trainers that accept connections (default 3)")
     parser.add_argument("--client_trainers", type=int, help="trainers in client mode (default 1)")
-    parser.add_argument("--host", help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)")
+    parser.add_argument(
+        "--host", help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)"
+    )
     parser.add_argument("--target_batch_size", type=int, help="samples per global step (default 256)")
-    parser.add_argument("--data_dir", help="corpus and tokenized data, built if missing (default examples/albert/data)")
-    parser.add_argument("--run_dir", help="logs, metrics and the loss curve (default examples/albert/data/demo_run)")
-    parser.add_argument("--ping-only", action="store_true", help="only start two peers and ping one from the other")
+    parser.add_argument(
+        "--data_dir", help="corpus and tokenized data, built if missing (default examples/albert/data)"
+    )
+    parser.add_argument(
+        "--run_dir", help="logs, metrics and the loss curve (default examples/albert/data/demo_run)"
+    )
+    parser.add_argument(
+        "--ping-only", action="store_true", help="only start two peers and ping one from the other"
+    )
     parser.add_argument("--pings", type=int, help="how many pings (default 5); implies --ping-only")
 
 
@@ -43,13 +52,21 @@ def run(args) -> int:
         return asyncio.run(_ping(5 if args.pings is None else args.pings))
     script = os.path.join(EXAMPLE_DIR, "run_demo.py")
     if not os.path.exists(script):
-        logger.error(f"the demo needs the repository's examples/albert (looked for {script}); clone the "
-                     f"repository and install it with pip install -e \".[albert]\", or try plexus demo --ping-only")
+        logger.error(
+            f"the demo needs the repository's examples/albert (looked for {script}); clone the "
+            f'repository and install it with pip install -e ".[albert]", or try plexus demo --ping-only'
+        )
         return 1
-    missing = [name for name in ("transformers", "tokenizers", "accelerate") if importlib.util.find_spec(name) is None]
+    missing = [
+        name
+        for name in ("transformers", "tokenizers", "accelerate")
+        if importlib.util.find_spec(name) is None
+    ]
     if missing:
-        logger.error(f"the demo needs {', '.join(missing)}: pip install -e \".[albert]\" from the repository root "
-                     f"(make demo does it for you)")
+        logger.error(
+            f'the demo needs {", ".join(missing)}: pip install -e ".[albert]" from the repository root '
+            f"(make demo does it for you)"
+        )
         return 1
     argv = []
     for name in PASSED_ON:
@@ -69,8 +86,10 @@ async def _ping(pings: int) -> int:
         address = first.get_visible_maddrs()[0]
         logger.info(f"first peer is up; to connect other peers to it, use --initial_peers {address}")
         info = await second.identify((await second.connect(address)).remote_peer, timeout=10)
-        logger.info(f"second peer {second.peer_id} connected; the first peer runs {info.agent_version} "
-                    f"and speaks {', '.join(info.protocols)}")
+        logger.info(
+            f"second peer {second.peer_id} connected; the first peer runs {info.agent_version} "
+            f"and speaks {', '.join(info.protocols)}"
+        )
         for index in range(pings):
             rtt = await second.ping(first.peer_id)
             logger.info(f"ping {index + 1}/{pings}: {rtt * 1e3:.2f} ms")

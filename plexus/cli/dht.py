@@ -25,18 +25,38 @@ logger = get_logger(__name__)
 
 def add_arguments(parser) -> None:
     add_peer_arguments(parser)
-    parser.add_argument("--client_mode", action="store_true",
-                        help="only dial out: for peers that cannot accept incoming connections")
-    parser.add_argument("--relays", nargs="*", default=[], metavar="MADDR",
-                        help="relays for --use_auto_relay (default: initial peers that relay, then the DHT's)")
-    parser.add_argument("--force_reachability", choices=["public", "private"],
-                        help="skip AutoNAT and take this as this peer's reachability")
-    parser.add_argument("--use_ipfs", action="store_true",
-                        help="find initial peers given as /p2p/<peer id> through the public IPFS DHT")
-    parser.add_argument("--ipfs_bootstrap_peers", nargs="*", default=None, metavar="MADDR",
-                        help="where to join the Kademlia DHT for --use_ipfs (default: the IPFS bootstrap peers)")
-    parser.add_argument("--refresh_period", type=float, default=30.0,
-                        help="seconds between status lines (default 30)")
+    parser.add_argument(
+        "--client_mode",
+        action="store_true",
+        help="only dial out: for peers that cannot accept incoming connections",
+    )
+    parser.add_argument(
+        "--relays",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="relays for --use_auto_relay (default: initial peers that relay, then the DHT's)",
+    )
+    parser.add_argument(
+        "--force_reachability",
+        choices=["public", "private"],
+        help="skip AutoNAT and take this as this peer's reachability",
+    )
+    parser.add_argument(
+        "--use_ipfs",
+        action="store_true",
+        help="find initial peers given as /p2p/<peer id> through the public IPFS DHT",
+    )
+    parser.add_argument(
+        "--ipfs_bootstrap_peers",
+        nargs="*",
+        default=None,
+        metavar="MADDR",
+        help="where to join the Kademlia DHT for --use_ipfs (default: the IPFS bootstrap peers)",
+    )
+    parser.add_argument(
+        "--refresh_period", type=float, default=30.0, help="seconds between status lines (default 30)"
+    )
     add_config_argument(parser)
 
 
@@ -44,16 +64,26 @@ def run(args) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    dht = DHT(initial_peers=args.initial_peers, start=True, client_mode=args.client_mode,
-              host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-              use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay, relays=args.relays,
-              force_reachability=args.force_reachability, use_ipfs=args.use_ipfs,
-              ipfs_bootstrap_peers=args.ipfs_bootstrap_peers)
+    dht = DHT(
+        initial_peers=args.initial_peers,
+        start=True,
+        client_mode=args.client_mode,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        use_relay=not args.no_relay,
+        use_auto_relay=args.use_auto_relay,
+        relays=args.relays,
+        force_reachability=args.force_reachability,
+        use_ipfs=args.use_ipfs,
+        ipfs_bootstrap_peers=args.ipfs_bootstrap_peers,
+    )
     try:
         if not args.client_mode:
             maddrs = " ".join(str(addr) for addr in dht.get_visible_maddrs())
-            logger.info("Running a DHT instance. To connect other peers to this one, use "
-                        f"--initial_peers {maddrs}")
+            logger.info(
+                f"Running a DHT instance. To connect other peers to this one, use --initial_peers {maddrs}"
+            )
             logger.info(f"Full list of visible multiaddresses: {maddrs}")
             if args.use_ipfs:
                 logger.info(f"With --use_ipfs, --initial_peers /p2p/{dht.peer_id} is enough")

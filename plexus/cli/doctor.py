@@ -34,10 +34,19 @@ SKEW_WARNING = 3.0  # seconds; the DHT warns at the same bound
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--peer", required=True, metavar="MADDR",
-                        help="a running peer to test against (…/p2p/<peer id>), e.g. one of --initial_peers")
-    parser.add_argument("--host_maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], metavar="MADDR",
-                        help="addresses to listen on while testing (use your training peer's port to test it)")
+    parser.add_argument(
+        "--peer",
+        required=True,
+        metavar="MADDR",
+        help="a running peer to test against (…/p2p/<peer id>), e.g. one of --initial_peers",
+    )
+    parser.add_argument(
+        "--host_maddrs",
+        nargs="*",
+        default=["/ip4/0.0.0.0/tcp/0"],
+        metavar="MADDR",
+        help="addresses to listen on while testing (use your training peer's port to test it)",
+    )
     parser.add_argument("--relays", nargs="*", default=[], metavar="MADDR", help="relays to try reserving on")
     parser.add_argument("--timeout", type=float, default=15.0, help="seconds for each check (default 15)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -60,14 +69,23 @@ def diagnose(peer: str, host_maddrs, relays=(), timeout: float = 15.0) -> dict:
     dht = None
     try:
         target = Multiaddr(peer)
-        dht = DHT(initial_peers=[target], host_maddrs=host_maddrs, client_mode=not host_maddrs, auto_nat=False,
-                  relay_service=False, use_auto_relay=False, bootstrap_timeout=timeout,
-                  startup_timeout=3 * timeout + 5)
+        dht = DHT(
+            initial_peers=[target],
+            host_maddrs=host_maddrs,
+            client_mode=not host_maddrs,
+            auto_nat=False,
+            relay_service=False,
+            use_auto_relay=False,
+            bootstrap_timeout=timeout,
+            startup_timeout=3 * timeout + 5,
+        )
         dht.run_in_background(await_ready=True)
     except (OSError, TimeoutError, ConnectionError, ValueError) as error:  # MultiaddrError is a ValueError
         report["problems"].append(f"could not connect to {peer}: {error}")
-        report["advice"].append("Check the address (it must end in /p2p/<peer id>), that the peer is running, "
-                                "and that its port is open in its firewall.")
+        report["advice"].append(
+            "Check the address (it must end in /p2p/<peer id>), that the peer is running, "
+            "and that its port is open in its firewall."
+        )
         return report
     finally:
         if dht is not None and not dht.is_alive():
@@ -102,8 +120,11 @@ def _check_nat(report: dict, observed: Multiaddr | None, host: Host) -> None:
         report["nat"] = f"unknown (observed address {observed} is not TCP)"
         return
     ours = set(local_ips(family)) | {parse_host_port(a)[0] for a in host.get_listen_maddrs()}
-    report["nat"] = "none: the peer sees one of our own addresses" if ip in ours else \
-        f"behind NAT: the peer sees us at {ip}, which is not an address of this machine"
+    report["nat"] = (
+        "none: the peer sees one of our own addresses"
+        if ip in ours
+        else f"behind NAT: the peer sees us at {ip}, which is not an address of this machine"
+    )
 
 
 async def _check_clock(report: dict, host: Host, peer, timeout: float) -> None:
@@ -120,8 +141,10 @@ async def _check_clock(report: dict, host: Host, peer, timeout: float) -> None:
     report["clock_skew"] = round(skew, 3)
     if abs(skew) > SKEW_WARNING:
         report["problems"].append(f"our clock differs from the peer's by {skew:+.1f} s")
-        report["advice"].append("Synchronise the clock with NTP (e.g. `timedatectl set-ntp true`): DHT records "
-                                "expire on absolute times and matchmaking depends on them.")
+        report["advice"].append(
+            "Synchronise the clock with NTP (e.g. `timedatectl set-ntp true`): DHT records "
+            "expire on absolute times and matchmaking depends on them."
+        )
 
 
 async def _check_reachability(report: dict, dht: DHT, peer, protocols, timeout: float) -> None:
@@ -144,12 +167,16 @@ async def _check_reachability(report: dict, dht: DHT, peer, protocols, timeout: 
     report["autonat_answer"] = f"{answer.status.name} {answer.text}".strip()
     if autonat.reachability is autonat_core.Reachability.PRIVATE:
         report["problems"].append("other peers cannot connect to this machine")
-        report["advice"].append("Forward the listening port on your router and pass --announce_maddrs with your "
-                                "public address, or use relays (--relays, or any public peer that relays), or "
-                                "run with --client_mode.")
+        report["advice"].append(
+            "Forward the listening port on your router and pass --announce_maddrs with your "
+            "public address, or use relays (--relays, or any public peer that relays), or "
+            "run with --client_mode."
+        )
 
 
-async def _check_relays(report: dict, client: RelayClient | None, target: Multiaddr, protocols, relays, timeout) -> None:
+async def _check_relays(
+    report: dict, client: RelayClient | None, target: Multiaddr, protocols, relays, timeout
+) -> None:
     candidates = [Multiaddr(relay) for relay in relays]
     if not candidates and relay_core.HOP_PROTOCOL in protocols and report.get("reachability") != "public":
         candidates = [target]
@@ -159,8 +186,13 @@ async def _check_relays(report: dict, client: RelayClient | None, target: Multia
     for relay in candidates:
         try:
             reservation = await asyncio.wait_for(client.reserve(relay, keep=False), timeout)
-            report["relays"].append({"relay": str(relay), "expires_in": round(reservation.expire - time.time()),
-                                     "limit": vars(reservation.limit) if reservation.limit else None})
+            report["relays"].append(
+                {
+                    "relay": str(relay),
+                    "expires_in": round(reservation.expire - time.time()),
+                    "limit": vars(reservation.limit) if reservation.limit else None,
+                }
+            )
         except Exception as error:  # reported, never raised
             report["relays"].append({"relay": str(relay), "error": str(error)})
             report["problems"].append(f"could not reserve a slot on relay {relay}: {error}")
@@ -169,10 +201,17 @@ async def _check_relays(report: dict, client: RelayClient | None, target: Multia
 
 def format_report(report: dict) -> str:
     lines = [f"plexus doctor: checked against {report['peer']}"]
-    for key, title in (("listen_addrs", "listening on"), ("visible_addrs", "visible addresses"),
-                       ("observed_addr", "the peer sees us at"), ("nat", "NAT"), ("reachability", "reachability"),
-                       ("autonat_answer", "dial-back answer"), ("clock_skew", "clock skew (s)"),
-                       ("relays", "relays"), ("circuit_addrs", "relay addresses")):
+    for key, title in (
+        ("listen_addrs", "listening on"),
+        ("visible_addrs", "visible addresses"),
+        ("observed_addr", "the peer sees us at"),
+        ("nat", "NAT"),
+        ("reachability", "reachability"),
+        ("autonat_answer", "dial-back answer"),
+        ("clock_skew", "clock skew (s)"),
+        ("relays", "relays"),
+        ("circuit_addrs", "relay addresses"),
+    ):
         if key in report:
             value = report[key]
             if isinstance(value, list):

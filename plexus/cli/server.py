@@ -32,50 +32,84 @@ FILE_LIMIT = 32768
 def add_arguments(parser) -> None:
     experts = parser.add_argument_group("experts")
     experts.add_argument("--num_experts", type=int, help="how many experts to serve (with --expert_pattern)")
-    experts.add_argument("--expert_pattern", help="grid to sample uids from, e.g. 'ffn.[0:4].[0:16]' "
-                         "(uids other servers announce are skipped)")
-    experts.add_argument("--expert_uids", nargs="+", metavar="UID",
-                         help="exact uids to serve, e.g. ffn.0.0 ffn.0.1")
-    experts.add_argument("--expert_cls", default="ffn",
-                         help="registered expert class (ffn, transformer, nop, nop_delay, det_dropout, "
-                         "or one from --custom_module_path); default ffn")
+    experts.add_argument(
+        "--expert_pattern",
+        help="grid to sample uids from, e.g. 'ffn.[0:4].[0:16]' (uids other servers announce are skipped)",
+    )
+    experts.add_argument(
+        "--expert_uids", nargs="+", metavar="UID", help="exact uids to serve, e.g. ffn.0.0 ffn.0.1"
+    )
+    experts.add_argument(
+        "--expert_cls",
+        default="ffn",
+        help="registered expert class (ffn, transformer, nop, nop_delay, det_dropout, "
+        "or one from --custom_module_path); default ffn",
+    )
     experts.add_argument("--hidden_dim", type=int, default=1024, help="experts' hidden size (default 1024)")
-    experts.add_argument("--custom_module_path",
-                         help="Python file whose @register_expert_class experts to offer")
+    experts.add_argument(
+        "--custom_module_path", help="Python file whose @register_expert_class experts to offer"
+    )
 
     training = parser.add_argument_group("training")
-    training.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam",
-                          help="adam, sgd (lr 0.01) or none (experts do not learn); default adam")
-    training.add_argument("--scheduler", choices=["none", "linear"], default="none",
-                          help="learning-rate schedule; linear needs the two step counts")
+    training.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adam",
+        help="adam, sgd (lr 0.01) or none (experts do not learn); default adam",
+    )
+    training.add_argument(
+        "--scheduler",
+        choices=["none", "linear"],
+        default="none",
+        help="learning-rate schedule; linear needs the two step counts",
+    )
     training.add_argument("--num_warmup_steps", type=int)
     training.add_argument("--num_training_steps", type=int)
-    training.add_argument("--clip_grad_norm", type=float,
-                          help="clip each expert's gradient to this global norm")
-    training.add_argument("--checkpoint_dir",
-                          help="restore experts from here and save them every update_period")
+    training.add_argument(
+        "--clip_grad_norm", type=float, help="clip each expert's gradient to this global norm"
+    )
+    training.add_argument(
+        "--checkpoint_dir", help="restore experts from here and save them every update_period"
+    )
 
     runtime = parser.add_argument_group("runtime")
     runtime.add_argument("--min_batch_size", type=int, default=1)
     runtime.add_argument("--max_batch_size", type=int, default=16384)
     runtime.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    runtime.add_argument("--compression", default="NONE", choices=[c.name for c in CompressionType],
-                         help="how activations and gradients travel (default NONE)")
+    runtime.add_argument(
+        "--compression",
+        default="NONE",
+        choices=[c.name for c in CompressionType],
+        help="how activations and gradients travel (default NONE)",
+    )
     runtime.add_argument("--num_handlers", type=int, help="accepted for hivemind compatibility; no effect")
-    runtime.add_argument("--stats_report_interval", type=float,
-                         help="accepted for compatibility; no effect yet")
-    runtime.add_argument("--increase_file_limit", action="store_true",
-                         help=f"raise the open-file limit to {FILE_LIMIT} (many client connections)")
+    runtime.add_argument(
+        "--stats_report_interval", type=float, help="accepted for compatibility; no effect yet"
+    )
+    runtime.add_argument(
+        "--increase_file_limit",
+        action="store_true",
+        help=f"raise the open-file limit to {FILE_LIMIT} (many client connections)",
+    )
 
     network = parser.add_argument_group("network")
     add_peer_arguments(network)
-    network.add_argument("--update_period", type=float, default=30.0,
-                         help="seconds between re-announcements in the DHT and checkpoints (default 30)")
-    network.add_argument("--expiration", type=float,
-                         help="lifetime of an announcement (default max(2 * update_period, 3))")
-    parser.add_argument("-c", "--config", metavar="FILE",
-                        help="read options from a JSON, TOML or YAML file whose keys are the flag names "
-                        "(command-line flags win)")
+    network.add_argument(
+        "--update_period",
+        type=float,
+        default=30.0,
+        help="seconds between re-announcements in the DHT and checkpoints (default 30)",
+    )
+    network.add_argument(
+        "--expiration", type=float, help="lifetime of an announcement (default max(2 * update_period, 3))"
+    )
+    parser.add_argument(
+        "-c",
+        "--config",
+        metavar="FILE",
+        help="read options from a JSON, TOML or YAML file whose keys are the flag names "
+        "(command-line flags win)",
+    )
 
 
 def _raise_file_limit() -> None:
@@ -100,25 +134,42 @@ def run(args) -> int:
         logger.info(f"Generating new identity (libp2p private key) in {args.identity_path}")
     started = time.perf_counter()
     server = Server.create(
-        num_experts=args.num_experts, expert_uids=args.expert_uids, expert_pattern=args.expert_pattern,
-        expert_cls=args.expert_cls, hidden_dim=args.hidden_dim, optim_cls=OPTIMIZERS[args.optimizer],
-        scheduler=args.scheduler, num_warmup_steps=args.num_warmup_steps,
-        num_training_steps=args.num_training_steps, clip_grad_norm=args.clip_grad_norm,
-        min_batch_size=args.min_batch_size, max_batch_size=args.max_batch_size,
-        device=args.device, initial_peers=args.initial_peers, checkpoint_dir=args.checkpoint_dir,
-        compression=CompressionType[args.compression], custom_module_path=args.custom_module_path,
-        update_period=args.update_period, expiration=args.expiration, start=True,
-        host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-        use_relay=not args.no_relay, use_auto_relay=args.use_auto_relay,
+        num_experts=args.num_experts,
+        expert_uids=args.expert_uids,
+        expert_pattern=args.expert_pattern,
+        expert_cls=args.expert_cls,
+        hidden_dim=args.hidden_dim,
+        optim_cls=OPTIMIZERS[args.optimizer],
+        scheduler=args.scheduler,
+        num_warmup_steps=args.num_warmup_steps,
+        num_training_steps=args.num_training_steps,
+        clip_grad_norm=args.clip_grad_norm,
+        min_batch_size=args.min_batch_size,
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        initial_peers=args.initial_peers,
+        checkpoint_dir=args.checkpoint_dir,
+        compression=CompressionType[args.compression],
+        custom_module_path=args.custom_module_path,
+        update_period=args.update_period,
+        expiration=args.expiration,
+        start=True,
+        host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce_maddrs,
+        identity_path=args.identity_path,
+        use_relay=not args.no_relay,
+        use_auto_relay=args.use_auto_relay,
     )
     try:
         visible = [str(addr) for addr in server.dht.get_visible_maddrs()]
         logger.info(f"Running DHT node on [{', '.join(visible)}], initial peers = {args.initial_peers}")
         maddrs = " ".join(visible)
         uids = list(server.module_backends)
-        logger.info(f"serving {len(uids)} experts ({', '.join(uids[:4])}{', ...' if len(uids) > 4 else ''}); "
-                    f"started in "
-                    f"{time.perf_counter() - started:.1f} s")
+        logger.info(
+            f"serving {len(uids)} experts ({', '.join(uids[:4])}{', ...' if len(uids) > 4 else ''}); "
+            f"started in "
+            f"{time.perf_counter() - started:.1f} s"
+        )
         logger.info(f"To connect other peers to this one, use --initial_peers {maddrs}")
         stop.wait()
         logger.info("shutting down")

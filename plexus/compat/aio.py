@@ -21,8 +21,12 @@ async def as_aiter(*values: T) -> AsyncIterator[T]:
         yield value
 
 
-async def amap_in_executor(func: Callable[..., T], *iterables: AsyncIterable, max_prefetch: int = 1,
-                           executor: concurrent.futures.Executor | None = None) -> AsyncIterator[T]:
+async def amap_in_executor(
+    func: Callable[..., T],
+    *iterables: AsyncIterable,
+    max_prefetch: int = 1,
+    executor: concurrent.futures.Executor | None = None,
+) -> AsyncIterator[T]:
     """`func` applied to the items of the async iterables (zipped), each call in `executor`, the
     results yielded in order; up to `max_prefetch` calls run ahead of the consumer."""
     loop = asyncio.get_running_loop()

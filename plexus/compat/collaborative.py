@@ -31,8 +31,14 @@ from ..utils.timing import get_dht_time
 
 logger = get_logger(__name__)
 
-TRACKER_OPTIONS = ("min_refresh_period", "max_refresh_period", "default_refresh_period",
-                   "expected_drift_peers", "expected_drift_rate", "metadata_expiration")
+TRACKER_OPTIONS = (
+    "min_refresh_period",
+    "max_refresh_period",
+    "default_refresh_period",
+    "expected_drift_peers",
+    "expected_drift_rate",
+    "metadata_expiration",
+)
 RENAMED_AVERAGER_OPTIONS = {"throughput": "bandwidth", "compression_type": "compression"}
 TRANSPORT_OPTIONS = ("listen", "listen_on", "endpoint")
 
@@ -82,11 +88,24 @@ class CollaborativeOptimizer(Optimizer):
             compression_type, min_group_size, request_timeout, part_size_bytes, ...).
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, *, dht: DHT, prefix: str, target_batch_size: int,
-                 batch_size_per_step: int | None = None, scheduler=None,
-                 averaging_timeout: float | None = None, averaging_expiration: float | None = None,
-                 load_state_timeout: float = 600.0, step_tolerance: int = 1, reuse_grad_buffers: bool = False,
-                 client_mode: bool = False, verbose: bool = False, **kwargs):
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        *,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        batch_size_per_step: int | None = None,
+        scheduler=None,
+        averaging_timeout: float | None = None,
+        averaging_expiration: float | None = None,
+        load_state_timeout: float = 600.0,
+        step_tolerance: int = 1,
+        reuse_grad_buffers: bool = False,
+        client_mode: bool = False,
+        verbose: bool = False,
+        **kwargs,
+    ):
         tracker_opts = {name: kwargs.pop(name) for name in TRACKER_OPTIONS if name in kwargs}
         for old, new in RENAMED_AVERAGER_OPTIONS.items():
             if old in kwargs:
@@ -102,14 +121,22 @@ class CollaborativeOptimizer(Optimizer):
             compressions = dict(grad_compression=method, state_averaging_compression=method)
         matchmaking_time = kwargs.pop("min_matchmaking_time", averaging_expiration)
         super().__init__(
-            dht=dht, run_id=prefix, target_batch_size=target_batch_size,
-            batch_size_per_step=batch_size_per_step, optimizer=opt, scheduler=scheduler,
-            client_mode=client_mode, reuse_grad_buffers=reuse_grad_buffers,
+            dht=dht,
+            run_id=prefix,
+            target_batch_size=target_batch_size,
+            batch_size_per_step=batch_size_per_step,
+            optimizer=opt,
+            scheduler=scheduler,
+            client_mode=client_mode,
+            reuse_grad_buffers=reuse_grad_buffers,
             matchmaking_time=matchmaking_time if matchmaking_time is not None else 5.0,
             averaging_timeout=averaging_timeout if averaging_timeout is not None else 60.0,
-            load_state_timeout=load_state_timeout, verbose=verbose, averager_opts=kwargs,
+            load_state_timeout=load_state_timeout,
+            verbose=verbose,
+            averager_opts=kwargs,
             tracker_opts={"status_loglevel": logging.DEBUG, **tracker_opts},  # the old line replaces its own
-            **compressions)
+            **compressions,
+        )
         self.prefix, self.step_tolerance = prefix, step_tolerance
         self._logged_fetch = -1
 
@@ -133,9 +160,15 @@ class CollaborativeOptimizer(Optimizer):
     @property
     def collaboration_state(self) -> CollaborationState:
         progress = self.tracker.global_progress
-        return CollaborationState(progress.epoch, progress.samples_accumulated, self.target_batch_size,
-                                  progress.num_peers, progress.num_clients, progress.eta_next_epoch,
-                                  progress.next_fetch_time)
+        return CollaborationState(
+            progress.epoch,
+            progress.samples_accumulated,
+            self.target_batch_size,
+            progress.num_peers,
+            progress.num_clients,
+            progress.eta_next_epoch,
+            progress.next_fetch_time,
+        )
 
     def fetch_collaboration_state(self) -> CollaborationState:
         """Read every peer's progress from the DHT now (instead of waiting for the next refresh)."""
@@ -167,10 +200,12 @@ class CollaborativeOptimizer(Optimizer):
             logger.log(self.status_loglevel, "Found no active peers: None")
             return
         eta = max(0.0, state.eta_next_step - now) if math.isfinite(state.eta_next_step) else float("inf")
-        logger.log(self.status_loglevel,
-                   f"Collaboration accumulated {state.samples_accumulated} samples from "
-                   f"{state.num_peers} peers; "
-                   f"ETA {eta:.2f} seconds (refresh in {max(0.0, state.next_fetch_time - now):.2f}s.)")
+        logger.log(
+            self.status_loglevel,
+            f"Collaboration accumulated {state.samples_accumulated} samples from "
+            f"{state.num_peers} peers; "
+            f"ETA {eta:.2f} seconds (refresh in {max(0.0, state.next_fetch_time - now):.2f}s.)",
+        )
 
     def __repr__(self) -> str:
         return f"<CollaborativeOptimizer {self.prefix} step={self.local_step} over {type(self.opt).__name__}>"

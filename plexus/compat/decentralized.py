@@ -39,26 +39,45 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
         **kwargs: for the TrainingAverager (`min_matchmaking_time`, `compression`, ...).
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, dht: DHT, *, prefix: str, target_group_size: int,
-                 average_parameters: bool, average_gradients: bool,
-                 average_opt_statistics: Sequence[str] = (), averaging_steps_period: int = 1,
-                 averaging_time_period: float = 0, timeout: float | None = None, verbose: bool = False,
-                 **kwargs):
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        dht: DHT,
+        *,
+        prefix: str,
+        target_group_size: int,
+        average_parameters: bool,
+        average_gradients: bool,
+        average_opt_statistics: Sequence[str] = (),
+        averaging_steps_period: int = 1,
+        averaging_time_period: float = 0,
+        timeout: float | None = None,
+        verbose: bool = False,
+        **kwargs,
+    ):
         if averaging_steps_period < 1 or averaging_time_period < 0:
             raise ValueError("averaging_steps_period must be >= 1 and averaging_time_period >= 0")
         self.opt, self.dht, self.local_step = opt, dht, 0
         self.averaging_steps_period = averaging_steps_period
         self.averaging_time_period = averaging_time_period
         self.timeout, self.verbose = timeout, verbose
-        self.averager = TrainingAverager(opt, average_parameters=average_parameters,
-                                         average_gradients=average_gradients,
-                                         average_opt_statistics=average_opt_statistics, dht=dht, start=True,
-                                         prefix=prefix, target_group_size=target_group_size, **kwargs)
+        self.averager = TrainingAverager(
+            opt,
+            average_parameters=average_parameters,
+            average_gradients=average_gradients,
+            average_opt_statistics=average_opt_statistics,
+            dht=dht,
+            start=True,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            **kwargs,
+        )
         self.lock_parameters = threading.Lock()
         self.update_event, self.stop_event = threading.Event(), threading.Event()
         self.rounds_succeeded = self.rounds_failed = 0
-        self._thread = threading.Thread(target=self._average_in_background, name=f"{prefix}-averaging",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._average_in_background, name=f"{prefix}-averaging", daemon=True
+        )
         self._thread.start()
 
     # torch.optim.Optimizer's face: the wrapped optimizer's groups and state
@@ -101,7 +120,8 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
             self.update_event.wait()
             self.update_event.clear()
             if self.averaging_time_period and self.stop_event.wait(
-                    self.averaging_time_period - get_dht_time() % self.averaging_time_period):
+                self.averaging_time_period - get_dht_time() % self.averaging_time_period
+            ):
                 break  # waited for the next period boundary (a stop cuts the wait short)
             if self.stop_event.is_set():
                 break
@@ -131,27 +151,65 @@ class DecentralizedOptimizer(torch.optim.Optimizer):
 class DecentralizedSGD(DecentralizedOptimizer):
     """SGD whose parameters are averaged with peers (see DecentralizedOptimizer)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, *, dht: DHT, prefix: str,
-                 target_group_size: int, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
-                 nesterov: bool = False, **kwargs):
-        opt = torch.optim.SGD(params, lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                              nesterov=nesterov)
-        super().__init__(opt, dht, prefix=prefix, target_group_size=target_group_size,
-                         average_parameters=True, average_gradients=False, **kwargs)
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float,
+        *,
+        dht: DHT,
+        prefix: str,
+        target_group_size: int,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        **kwargs,
+    ):
+        opt = torch.optim.SGD(
+            params, lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+        )
+        super().__init__(
+            opt,
+            dht,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            average_parameters=True,
+            average_gradients=False,
+            **kwargs,
+        )
 
 
 class DecentralizedAdam(DecentralizedOptimizer):
     """Adam whose parameters and second moments are averaged with peers (see DecentralizedOptimizer)."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, *, dht: DHT, prefix: str,
-                 target_group_size: int, averaging_steps_period: int = 1,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
-                 amsgrad: bool = False, **kwargs):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        lr: float,
+        *,
+        dht: DHT,
+        prefix: str,
+        target_group_size: int,
+        averaging_steps_period: int = 1,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        **kwargs,
+    ):
         opt = torch.optim.Adam(params, lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad)
         statistics = ("max_exp_avg_sq",) if amsgrad else ("exp_avg_sq",)
-        super().__init__(opt, dht, prefix=prefix, target_group_size=target_group_size,
-                         average_parameters=True, average_gradients=False, average_opt_statistics=statistics,
-                         averaging_steps_period=averaging_steps_period, **kwargs)
+        super().__init__(
+            opt,
+            dht,
+            prefix=prefix,
+            target_group_size=target_group_size,
+            average_parameters=True,
+            average_gradients=False,
+            average_opt_statistics=statistics,
+            averaging_steps_period=averaging_steps_period,
+            **kwargs,
+        )
 
 
 __all__ = ["DecentralizedAdam", "DecentralizedOptimizer", "DecentralizedSGD"]

@@ -48,8 +48,11 @@ VIEWS: dict[str, tuple[str, ...]] = {
     "hivemind.utils.mpfuture": ("plexus.compat.names",),
     "hivemind.utils.crypto": ("plexus.dht.rsa",),
     "hivemind.utils.logging": ("plexus.utils.logging", "plexus.compat.names"),
-    "hivemind.utils.timed_storage": ("plexus.utils.timed_storage", "plexus.utils.timing",
-                                     "plexus.compat.names"),
+    "hivemind.utils.timed_storage": (
+        "plexus.utils.timed_storage",
+        "plexus.utils.timing",
+        "plexus.compat.names",
+    ),
     "hivemind.utils.tensor_descr": ("plexus.compression.base", "plexus.moe.schema"),
     "hivemind.utils.streaming": ("plexus.compression.wire",),
     "hivemind.utils.multiaddr": ("plexus.p2p.multiaddr",),
@@ -65,7 +68,7 @@ VIEWS: dict[str, tuple[str, ...]] = {
 
 def sources_of(name: str) -> tuple[str, ...]:
     """The Plexus modules behind the hivemind module `name`."""
-    return VIEWS.get(name, ("plexus" + name[len(ROOT):],))
+    return VIEWS.get(name, ("plexus" + name[len(ROOT) :],))
 
 
 class HivemindView(types.ModuleType):
@@ -96,8 +99,10 @@ class HivemindView(types.ModuleType):
             return importlib.import_module(f"{self.__name__}.{attr}")
         except ImportError:
             pass
-        raise AttributeError(f"module {self.__name__!r} (Plexus) has no attribute {attr!r}; {DOCS} lists "
-                             f"what Plexus offers for hivemind's names")
+        raise AttributeError(
+            f"module {self.__name__!r} (Plexus) has no attribute {attr!r}; {DOCS} lists "
+            f"what Plexus offers for hivemind's names"
+        )
 
     @property
     def __all__(self) -> list[str]:
@@ -105,8 +110,11 @@ class HivemindView(types.ModuleType):
         for module in self._modules():
             public = getattr(module, "__all__", None)
             if public is None:
-                public = [n for n, v in vars(module).items()
-                          if not n.startswith("_") and not isinstance(v, types.ModuleType)]
+                public = [
+                    n
+                    for n, v in vars(module).items()
+                    if not n.startswith("_") and not isinstance(v, types.ModuleType)
+                ]
             names.update(dict.fromkeys(public))
         return list(names)
 
@@ -126,9 +134,11 @@ class HivemindFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 importlib.import_module(source)
             except ModuleNotFoundError as error:
                 if error.name and (error.name == source or source.startswith(error.name + ".")):
-                    raise ModuleNotFoundError(f"{fullname} has no counterpart in Plexus (no module "
-                                              f"{source}); {DOCS} says what to use instead",
-                                              name=fullname) from None
+                    raise ModuleNotFoundError(
+                        f"{fullname} has no counterpart in Plexus (no module "
+                        f"{source}); {DOCS} says what to use instead",
+                        name=fullname,
+                    ) from None
                 raise
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
@@ -151,9 +161,11 @@ def install() -> None:
         return
     loaded = sys.modules.get(ROOT)
     if loaded is not None and not isinstance(loaded, HivemindView):
-        raise UsageError("the real hivemind is already imported in this process; call "
-                         "plexus.compat.install() before anything imports hivemind (or run the script "
-                         "with `python -m plexus.compat`)")
+        raise UsageError(
+            "the real hivemind is already imported in this process; call "
+            "plexus.compat.install() before anything imports hivemind (or run the script "
+            "with `python -m plexus.compat`)"
+        )
     _finder = HivemindFinder()
     sys.meta_path.insert(0, _finder)
 

@@ -23,6 +23,7 @@ class HeapEntry(NamedTuple):
     expiration_time: float
     key: Any
 
+
 HANDLER_PLACES = {"in_hivemind": "plexus", "in_root_logger": "", "nowhere": None}
 
 

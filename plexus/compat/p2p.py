@@ -38,24 +38,36 @@ class P2P:
         self.host, self._owned = host, owned
 
     @classmethod
-    async def create(cls, initial_peers: Sequence[str | Multiaddr] | None = None, *,
-                     host_maddrs: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
-                     announce_maddrs: Sequence[str | Multiaddr] = (), identity_path: str | None = None,
-                     startup_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT, no_listen: bool = False,
-                     **unused_options) -> P2P:
+    async def create(
+        cls,
+        initial_peers: Sequence[str | Multiaddr] | None = None,
+        *,
+        host_maddrs: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Sequence[str | Multiaddr] = (),
+        identity_path: str | None = None,
+        startup_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT,
+        no_listen: bool = False,
+        **unused_options,
+    ) -> P2P:
         """Start a host (listening on `host_maddrs`, unless `no_listen`) and connect to `initial_peers`.
 
         hivemind's daemon options that have no Plexus meaning (`tls`, `quic`, ...) are accepted
         and ignored; see `DHT` for what each would have done."""
         key = load_or_create_identity(identity_path) if identity_path else PrivateKey.generate()
-        options = HostOptions(host_maddrs=() if no_listen else tuple(str(addr) for addr in host_maddrs),
-                              announce_maddrs=tuple(str(addr) for addr in announce_maddrs))
+        options = HostOptions(
+            host_maddrs=() if no_listen else tuple(str(addr) for addr in host_maddrs),
+            announce_maddrs=tuple(str(addr) for addr in announce_maddrs),
+        )
 
         async def start() -> Host:
             host = await Host(key, options).start()
             try:
-                await dial_initial_peers(host, [Multiaddr(str(addr)) for addr in initial_peers or ()],
-                                         startup_timeout, ensure_success=True)
+                await dial_initial_peers(
+                    host,
+                    [Multiaddr(str(addr)) for addr in initial_peers or ()],
+                    startup_timeout,
+                    ensure_success=True,
+                )
             except BaseException:
                 await host.shutdown()
                 raise

@@ -10,7 +10,11 @@ from ..p2p.identity import PeerID
 
 class Blacklist:
     def __init__(
-        self, base_time: float = 5.0, backoff_rate: float = 2.0, max_ban_time: float = 3600.0, max_peers: int = 10000
+        self,
+        base_time: float = 5.0,
+        backoff_rate: float = 2.0,
+        max_ban_time: float = 3600.0,
+        max_peers: int = 10000,
     ):
         if base_time < 0 or backoff_rate < 1:
             raise ValueError("blacklist_time must be >= 0 and backoff_rate >= 1")

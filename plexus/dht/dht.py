@@ -53,10 +53,15 @@ DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 # hivemind options (mostly its daemon's) that mean nothing here, and why: accepted with a warning
 HIVEMIND_OPTIONS_WITHOUT_EFFECT = {
     "tls": "connections are always encrypted and authenticated with Noise",
-    "quic": "Plexus speaks TCP", "use_relay_hop": "see relay_service", "use_relay_discovery": "see relays",
-    "conn_manager": "idle connections are closed by the host", "idle_timeout": "see HostOptions",
-    "dht_mode": "there is no libp2p daemon DHT to configure", "nat_port_map": "Plexus does no UPnP/NAT-PMP",
-    "relay_hop_limit": "see relay_service", "persistent_conn_max_msg_size": "message bounds are per protocol",
+    "quic": "Plexus speaks TCP",
+    "use_relay_hop": "see relay_service",
+    "use_relay_discovery": "see relays",
+    "conn_manager": "idle connections are closed by the host",
+    "idle_timeout": "see HostOptions",
+    "dht_mode": "there is no libp2p daemon DHT to configure",
+    "nat_port_map": "Plexus does no UPnP/NAT-PMP",
+    "relay_hop_limit": "see relay_service",
+    "persistent_conn_max_msg_size": "message bounds are per protocol",
     "check_if_identity_free": "there is no daemon whose identity could collide",
     "daemon": "the DHT runs in this process, not in a child process",
 }
@@ -70,18 +75,36 @@ MAX_AUTONAT_SERVERS = 5
 class DHT:
     """A DHT peer: `DHT(initial_peers=[...], start=True)`, then `store`/`get`; `shutdown()` when done."""
 
-    def __init__(self, initial_peers: Sequence[str | Multiaddr] | None = None, *, start: bool = False,
-                 client_mode: bool | None = False, host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
-                 announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
-                 record_validators: Iterable[RecordValidatorBase] = (), num_workers: int = 4,
-                 startup_timeout: float = 30.0, shutdown_timeout: float = 3.0, await_ready: bool = True,
-                 use_relay: bool = True, use_auto_relay: bool = False, relays: Sequence[str | Multiaddr] = (),
-                 auto_nat: bool = True, force_reachability: str | None = None,
-                 relay_service: bool | RelayLimits = True, hole_punching: bool = True,
-                 use_ipfs: bool = False, ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
-                 noise_ciphers: Sequence[str] = HostOptions.noise_ciphers, swarm_key: bytes | None = None,
-                 authorizer: AuthorizerBase | None = None, p2p: Host | None = None, no_listen: bool = False,
-                 **node_options):
+    def __init__(
+        self,
+        initial_peers: Sequence[str | Multiaddr] | None = None,
+        *,
+        start: bool = False,
+        client_mode: bool | None = False,
+        host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+        announce_maddrs: Sequence[str] = (),
+        identity_path: str | None = None,
+        record_validators: Iterable[RecordValidatorBase] = (),
+        num_workers: int = 4,
+        startup_timeout: float = 30.0,
+        shutdown_timeout: float = 3.0,
+        await_ready: bool = True,
+        use_relay: bool = True,
+        use_auto_relay: bool = False,
+        relays: Sequence[str | Multiaddr] = (),
+        auto_nat: bool = True,
+        force_reachability: str | None = None,
+        relay_service: bool | RelayLimits = True,
+        hole_punching: bool = True,
+        use_ipfs: bool = False,
+        ipfs_bootstrap_peers: Sequence[str | Multiaddr] | None = None,
+        noise_ciphers: Sequence[str] = HostOptions.noise_ciphers,
+        swarm_key: bytes | None = None,
+        authorizer: AuthorizerBase | None = None,
+        p2p: Host | None = None,
+        no_listen: bool = False,
+        **node_options,
+    ):
         """
         Args (besides hivemind's DHT ones):
             p2p: run on this started Host (or anything with a `.host`, such as what
@@ -109,7 +132,9 @@ class DHT:
                 by the run's authority), on every protocol of this peer's host: DHT, averaging, experts.
         """
         if force_reachability not in (None, "public", "private"):
-            raise ValueError(f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}")
+            raise ValueError(
+                f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}"
+            )
         for option in [name for name in node_options if name in HIVEMIND_OPTIONS_WITHOUT_EFFECT]:
             reason = HIVEMIND_OPTIONS_WITHOUT_EFFECT[option]
             logger.warning(f"DHT({option}=...) has no effect in Plexus: {reason}")
@@ -124,11 +149,19 @@ class DHT:
         self.relays = [Multiaddr(addr) for addr in relays or trusted_relays or ()]
         self.force_reachability, self.hole_punching = force_reachability, hole_punching and use_relay
         self.host_options = HostOptions(  # checked here, not at start
-            host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs,
-            reuse_port=self.hole_punching and bool(self.host_maddrs), noise_ciphers=tuple(noise_ciphers),
-            swarm_key=swarm_key)
-        self.relay_limits = relay_service if isinstance(relay_service, RelayLimits) else \
-            RelayLimits() if relay_service else None
+            host_maddrs=self.host_maddrs,
+            announce_maddrs=self.announce_maddrs,
+            reuse_port=self.hole_punching and bool(self.host_maddrs),
+            noise_ciphers=tuple(noise_ciphers),
+            swarm_key=swarm_key,
+        )
+        self.relay_limits = (
+            relay_service
+            if isinstance(relay_service, RelayLimits)
+            else RelayLimits()
+            if relay_service
+            else None
+        )
         self.use_ipfs, self.ipfs_bootstrap_peers = use_ipfs, ipfs_bootstrap_peers
         self._reachability = Reachability(force_reachability) if force_reachability else Reachability.UNKNOWN
         self.relay_client: RelayClient | None = None
@@ -147,7 +180,11 @@ class DHT:
         self.peer_id: PeerID = self.private_key.peer_id
         self._record_validator = CompositeValidator(record_validators)
         self.authorizer = authorizer
-        self.num_workers, self.startup_timeout, self.shutdown_timeout = num_workers, startup_timeout, shutdown_timeout
+        self.num_workers, self.startup_timeout, self.shutdown_timeout = (
+            num_workers,
+            startup_timeout,
+            shutdown_timeout,
+        )
         self._node_options = node_options
         self.host: Host | None = None
         self.node: DHTNode | None = None
@@ -213,8 +250,12 @@ class DHT:
     async def _create_node(self, initial_peer_ids: list[PeerID], client_mode: bool) -> DHTNode:
         return await DHTNode.create(
             node_id=DHTID.generate(source=self.peer_id.to_bytes()),
-            initial_peers=initial_peer_ids, rpc=HostDHTTransport(self.host), client_mode=client_mode,
-            record_validator=self._record_validator, num_workers=self.num_workers, **self._node_options,
+            initial_peers=initial_peer_ids,
+            rpc=HostDHTTransport(self.host),
+            client_mode=client_mode,
+            record_validator=self._record_validator,
+            num_workers=self.num_workers,
+            **self._node_options,
         )
 
     # --- NAT traversal (see the module docstring) ----------------------------------------------------
@@ -300,7 +341,14 @@ class DHT:
                 try:
                     await self.relay_client.reserve(addr)
                     return
-                except (RelayError, DialError, ProtocolError, ConnectionError, TimeoutError, ValueError) as error:
+                except (
+                    RelayError,
+                    DialError,
+                    ProtocolError,
+                    ConnectionError,
+                    TimeoutError,
+                    ValueError,
+                ) as error:
                     logger.debug(f"could not reserve a slot on relay {addr}: {error}")
 
         candidates = candidates[:MAX_RELAY_CANDIDATES]
@@ -313,11 +361,15 @@ class DHT:
         if not private or client_mode or (self.relay_client and self.relay_client.reservations):
             return
         if self.use_auto_relay:
-            logger.warning("other peers cannot connect to this one (AutoNAT) and no relay gave it a slot: it will "
-                           "miss incoming requests. Pass relays=[...] (--relays), or client_mode=True")
+            logger.warning(
+                "other peers cannot connect to this one (AutoNAT) and no relay gave it a slot: it will "
+                "miss incoming requests. Pass relays=[...] (--relays), or client_mode=True"
+            )
         else:
-            logger.warning("other peers cannot connect to this one (AutoNAT): it will miss incoming requests. "
-                           "Forward its port and pass announce_maddrs, or use_auto_relay=True, or client_mode=True")
+            logger.warning(
+                "other peers cannot connect to this one (AutoNAT): it will miss incoming requests. "
+                "Forward its port and pass announce_maddrs, or use_auto_relay=True, or client_mode=True"
+            )
 
     async def _announce_relay(self) -> None:
         """Keep this (verified public) peer listed under RELAY_KEY while its relay service runs."""
@@ -328,18 +380,20 @@ class DHT:
     async def _announce_relay_once(self) -> None:
         addrs = [str(addr) for addr in self.host.get_visible_maddrs() if not addr.is_circuit]
         try:
-            await self.node.store(RELAY_KEY, addrs, get_dht_time() + 2 * RELAY_ANNOUNCE_PERIOD, subkey=str(self.peer_id))
+            await self.node.store(
+                RELAY_KEY, addrs, get_dht_time() + 2 * RELAY_ANNOUNCE_PERIOD, subkey=str(self.peer_id)
+            )
         except Exception as error:  # the next round tries again
             logger.debug(f"could not announce our relay service: {error!r}")
 
     @property
     def reachability(self) -> str:
-        """"public", "private" (AutoNAT or force_reachability) or "unknown" (not asked, or no answer)."""
+        """ "public", "private" (AutoNAT or force_reachability) or "unknown" (not asked, or no answer)."""
         return self._reachability.value
 
     @property
     def nat_mode(self) -> str:
-        """"client" (dials out only), "relay" (reachable through relays) or "direct" (listens itself)."""
+        """ "client" (dials out only), "relay" (reachable through relays) or "direct" (listens itself)."""
         if self._client_mode:
             return "client"
         return "relay" if self.relay_client is not None and self.relay_client.reservations else "direct"
@@ -352,8 +406,11 @@ class DHT:
 
     async def check_reachability(self, peers: Sequence[PeerID] | None = None, timeout: float = 15.0) -> str:
         """Ask connected peers (or `peers`) to dial us back now; returns and records the verdict."""
-        servers = [peer for peer in (peers or self.host.connected_peers())
-                   if (info := self.host.peer_info(peer)) and autonat_core.PROTOCOL in info.protocols]
+        servers = [
+            peer
+            for peer in (peers or self.host.connected_peers())
+            if (info := self.host.peer_info(peer)) and autonat_core.PROTOCOL in info.protocols
+        ]
         self.autonat = AutoNAT(self.host, confidence=max(1, min(3, len(servers))), request_timeout=timeout)
         self._reachability = await self.autonat.probe(servers, MAX_AUTONAT_SERVERS)
         return self.reachability
@@ -361,19 +418,29 @@ class DHT:
     async def _join_kademlia(self) -> None:
         from ..p2p.kad import IPFS_BOOTSTRAP_PEERS, KademliaClient, KademliaError
 
-        bootstrap = self.ipfs_bootstrap_peers if self.ipfs_bootstrap_peers is not None else IPFS_BOOTSTRAP_PEERS
+        bootstrap = (
+            self.ipfs_bootstrap_peers if self.ipfs_bootstrap_peers is not None else IPFS_BOOTSTRAP_PEERS
+        )
         self.kademlia = KademliaClient(self.host, serve=bool(self.host_maddrs)).start()
         try:
-            await self.kademlia.bootstrap([Multiaddr(addr) for addr in bootstrap], timeout=self.startup_timeout / 3)
+            await self.kademlia.bootstrap(
+                [Multiaddr(addr) for addr in bootstrap], timeout=self.startup_timeout / 3
+            )
         except KademliaError as error:  # initial peers given by address still work
-            logger.warning(f"use_ipfs: {error}. Peers given as /p2p/<id> alone cannot be found; "
-                           f"check the network, or pass ipfs_bootstrap_peers")
+            logger.warning(
+                f"use_ipfs: {error}. Peers given as /p2p/<id> alone cannot be found; "
+                f"check the network, or pass ipfs_bootstrap_peers"
+            )
 
     async def _connect_to_initial_peers(self) -> list[PeerID]:
         """Dial every initial peer at once; fail, naming each address and why, if none answers."""
-        timeout = self._node_options.get("bootstrap_timeout") or self._node_options.get("wait_timeout", 3.0) * 3
+        timeout = (
+            self._node_options.get("bootstrap_timeout") or self._node_options.get("wait_timeout", 3.0) * 3
+        )
         ensure_success = self._node_options.get("ensure_bootstrap_success", True)
-        return await dial_initial_peers(self.host, self.initial_peers, timeout, ensure_success, dial=self._dial)
+        return await dial_initial_peers(
+            self.host, self.initial_peers, timeout, ensure_success, dial=self._dial
+        )
 
     async def _find_peer(self, peer_id: PeerID) -> None:
         """Peer routing: node ids are hashes of peer ids, so a lookup of that id reaches the peer
@@ -388,7 +455,9 @@ class DHT:
     async def _dial(self, addr: Multiaddr, timeout: float) -> PeerID:
         if addr.protocols() == ["p2p"]:  # /p2p/<id> alone: find its addresses (use_ipfs)
             if self.kademlia is None:
-                raise DialError(f"{addr} has no address to dial: give one, or pass use_ipfs=True to look it up")
+                raise DialError(
+                    f"{addr} has no address to dial: give one, or pass use_ipfs=True to look it up"
+                )
             try:
                 connection = await self.host.connect(addr.peer_id, timeout=timeout)
             except DialError as error:
@@ -414,8 +483,13 @@ class DHT:
             await asyncio.gather(self._announcer, return_exceptions=True)
         if self.node is not None:
             await self.node.shutdown()
-        for component in (self.relay_service, self.relay_client, self.hole_puncher, self.autonat_service,
-                          self.kademlia):
+        for component in (
+            self.relay_service,
+            self.relay_client,
+            self.hole_puncher,
+            self.autonat_service,
+            self.kademlia,
+        ):
             if component is not None:
                 await component.stop()
         if self.host is not self._given_host:
@@ -437,7 +511,9 @@ class DHT:
     def _call(self, coroutine, return_future: bool):
         if self._ready is None:
             coroutine.close()
-            raise RuntimeError("the DHT is not running: create it with start=True or call run_in_background()")
+            raise RuntimeError(
+                "the DHT is not running: create it with start=True or call run_in_background()"
+            )
         future = self._background.submit(coroutine)
         return future if return_future else future.result()
 
@@ -448,8 +524,9 @@ class DHT:
     async def get_async(self, key: Any, latest: bool = False) -> ValueWithExpiration | None:
         return await self.node.get(key, latest=latest)
 
-    def store(self, key: Any, value: Any, expiration_time: float, subkey: Any = None,
-              return_future: bool = False) -> bool:
+    def store(
+        self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False
+    ) -> bool:
         """Store `value` until `expiration_time` (absolute DHT time); with `subkey`, one entry of a dictionary."""
         return self._call(self.store_async(key, value, expiration_time, subkey), return_future)
 

@@ -44,8 +44,14 @@ class DiversityOptions:
     ipv6_prefix: int = 48
     """A public IPv6 address belongs to the group of this prefix (one site's allocation)."""
     per_address_networks: tuple[str, ...] = (
-        "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16",
-        "fc00::/7", "fe80::/10")
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "100.64.0.0/10",
+        "169.254.0.0/16",
+        "fc00::/7",
+        "fe80::/10",
+    )
     """Private ranges, where one subnet is a LAN of distinct machines: each address is a group of its own."""
     exempt_networks: tuple[str, ...] = ("127.0.0.0/8", "::1/128")
     """Networks not limited at all (loopback: local tests and single-machine swarms). Pass () to
@@ -57,8 +63,10 @@ class DiversityOptions:
             if value is not None and value < 1:
                 raise ValueError(f"DiversityOptions.{name} must be None or at least 1, got {value}")
         if not 0 <= self.ipv4_prefix <= 32 or not 0 <= self.ipv6_prefix <= 128:
-            raise ValueError(f"DiversityOptions prefixes must be in [0, 32] and [0, 128], got "
-                             f"{self.ipv4_prefix} and {self.ipv6_prefix}")
+            raise ValueError(
+                f"DiversityOptions prefixes must be in [0, 32] and [0, 128], got "
+                f"{self.ipv4_prefix} and {self.ipv6_prefix}"
+            )
         for network in (*self.per_address_networks, *self.exempt_networks):
             ipaddress.ip_network(network)  # a malformed network fails here, not at the first peer
 

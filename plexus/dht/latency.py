@@ -38,8 +38,12 @@ REQUEST_FACTOR = 8.0  # a request fails at twice the wait after which it turns i
 class LatencyEstimator:
     """Recent request durations and the straggler limit derived from them."""
 
-    def __init__(self, ceiling: float, floor: float = DEFAULT_FLOOR,
-                 min_request_timeout: float = DEFAULT_MIN_REQUEST_TIMEOUT):
+    def __init__(
+        self,
+        ceiling: float,
+        floor: float = DEFAULT_FLOOR,
+        min_request_timeout: float = DEFAULT_MIN_REQUEST_TIMEOUT,
+    ):
         if not 0 < floor <= ceiling:
             raise ValueError(f"need 0 < floor ({floor}) <= ceiling ({ceiling})")
         self.floor, self.ceiling = floor, ceiling

@@ -55,12 +55,15 @@ class LivenessOptions:
         if self.stale_after is not None and self.stale_after <= 0:
             raise ValueError(f"LivenessOptions.stale_after must be None or positive, got {self.stale_after}")
         if self.sweep_interval is not None and self.sweep_interval < 0:
-            raise ValueError(f"LivenessOptions.sweep_interval must be None or >= 0, got "
-                             f"{self.sweep_interval}")
+            raise ValueError(
+                f"LivenessOptions.sweep_interval must be None or >= 0, got {self.sweep_interval}"
+            )
         if self.checks_per_second <= 0 or self.check_burst < 1 or self.sweep_concurrency < 1:
-            raise ValueError("LivenessOptions: checks_per_second must be positive, check_burst and "
-                             f"sweep_concurrency at least 1 (got {self.checks_per_second}, "
-                             f"{self.check_burst}, {self.sweep_concurrency})")
+            raise ValueError(
+                "LivenessOptions: checks_per_second must be positive, check_burst and "
+                f"sweep_concurrency at least 1 (got {self.checks_per_second}, "
+                f"{self.check_burst}, {self.sweep_concurrency})"
+            )
 
 
 class LivenessChecker:
@@ -83,8 +86,12 @@ class LivenessChecker:
         self._tokens -= 1
         return True
 
-    def to_check(self, handed_out: Iterable[tuple[DHTID, PeerID]], last_seen: Callable[[DHTID], float | None],
-                 now: float) -> list[tuple[DHTID, PeerID]]:
+    def to_check(
+        self,
+        handed_out: Iterable[tuple[DHTID, PeerID]],
+        last_seen: Callable[[DHTID], float | None],
+        now: float,
+    ) -> list[tuple[DHTID, PeerID]]:
         """Of the entries just named in an answer, those to ping now."""
         stale_after = self.options.stale_after
         if stale_after is None:

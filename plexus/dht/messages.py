@@ -139,7 +139,9 @@ class Message:
     def encode(self) -> bytes:
         data = msgpack.packb([self.TAG, *self._to_wire()], use_bin_type=True)
         if len(data) > MAX_MESSAGE_SIZE:
-            raise ValueError(f"{type(self).__name__} of {len(data)} bytes exceeds {MAX_MESSAGE_SIZE}; split it")
+            raise ValueError(
+                f"{type(self).__name__} of {len(data)} bytes exceeds {MAX_MESSAGE_SIZE}; split it"
+            )
         return data
 
     @classmethod
@@ -148,7 +150,9 @@ class Message:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise DHTProtocolError(f"malformed DHT message: expected bytes, got {_type_name(data)}")
         if len(data) > MAX_MESSAGE_SIZE:
-            raise DHTProtocolError(f"DHT message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_SIZE}")
+            raise DHTProtocolError(
+                f"DHT message of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_SIZE}"
+            )
         try:
             raw = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
         except (ValueError, TypeError, msgpack.UnpackException) as error:
@@ -325,7 +329,12 @@ class FindResult:
         else:
             kind, payload = (0, None) if self.value is None else (1, self.value)
         expiration_time = self.expiration_time if self.found else 0.0
-        return [kind, payload, expiration_time, [[uid.to_bytes(), peer.to_bytes()] for uid, peer in self.nearest]]
+        return [
+            kind,
+            payload,
+            expiration_time,
+            [[uid.to_bytes(), peer.to_bytes()] for uid, peer in self.nearest],
+        ]
 
     @classmethod
     def _from_wire(cls, fields: Any, where: str) -> "FindResult":
@@ -377,8 +386,10 @@ def _addressed_peer(entry: Any, i: int) -> tuple[PeerID, tuple[bytes, ...]]:
     where = f"FindResponse.addresses[{i}]"
     peer, addrs = _fields(entry, where, 2)
     addrs = _list(addrs, where + ".addrs", MAX_ADDRESSES_PER_PEER)
-    return (_peer_id(peer, where + ".peer"),
-            tuple(_bytes(addr, f"{where}.addrs[{j}]", MAX_ADDRESS_LENGTH) for j, addr in enumerate(addrs)))
+    return (
+        _peer_id(peer, where + ".peer"),
+        tuple(_bytes(addr, f"{where}.addrs[{j}]", MAX_ADDRESS_LENGTH) for j, addr in enumerate(addrs)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +432,10 @@ class FindResponse(Message):
             addressed.append(_addressed_peer(entry, i))
         return cls(
             _node_id(node_id, "FindResponse.node_id", True),
-            tuple(FindResult._from_wire(result, f"FindResponse.results[{i}]") for i, result in enumerate(results)),
+            tuple(
+                FindResult._from_wire(result, f"FindResponse.results[{i}]")
+                for i, result in enumerate(results)
+            ),
             tuple(addressed),
         )
 
@@ -446,7 +460,15 @@ class ErrorResponse(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TAG: cls
-    for cls in (PingRequest, PingResponse, StoreRequest, StoreResponse, FindRequest, FindResponse, ErrorResponse)
+    for cls in (
+        PingRequest,
+        PingResponse,
+        StoreRequest,
+        StoreResponse,
+        FindRequest,
+        FindResponse,
+        ErrorResponse,
+    )
 }
 Request = PingRequest | StoreRequest | FindRequest
 Response = PingResponse | StoreResponse | FindResponse

@@ -126,8 +126,12 @@ class DHTNode(StoreAndGet):
         `ensure_bootstrap_success` is set; the message lists every peer tried and why it failed."""
         if rpc is None:
             rpc, initial_peers = await open_host_transport(
-                getattr(p2p, "host", p2p), initial_peers, bootstrap_timeout or wait_timeout * 3,
-                ensure_bootstrap_success, **host_options)
+                getattr(p2p, "host", p2p),
+                initial_peers,
+                bootstrap_timeout or wait_timeout * 3,
+                ensure_bootstrap_success,
+                **host_options,
+            )
         elif p2p is not None or host_options:
             raise TypeError(f"DHTNode.create takes rpc= or host options, not both: {sorted(host_options)}")
         self = cls(_private=True)
@@ -135,23 +139,41 @@ class DHTNode(StoreAndGet):
         self.rpc, self.peer_id = rpc, rpc.local_peer_id
         self.bucket_size, self.num_replicas, self.num_workers = bucket_size, num_replicas, num_workers
         self.wait_timeout, self.chunk_size, self.client_mode = wait_timeout, chunk_size, client_mode
-        self.cache_locally, self.cache_nearest, self.cache_on_store = cache_locally, cache_nearest, cache_on_store
-        self.cache_refresh_before_expiry, self.reuse_get_requests = cache_refresh_before_expiry, reuse_get_requests
+        self.cache_locally, self.cache_nearest, self.cache_on_store = (
+            cache_locally,
+            cache_nearest,
+            cache_on_store,
+        )
+        self.cache_refresh_before_expiry, self.reuse_get_requests = (
+            cache_refresh_before_expiry,
+            reuse_get_requests,
+        )
         self.refresh_timeout = refresh_timeout
         self.record_validator = record_validator
-        self.routing_table = RoutingTable(self.node_id, bucket_size, depth_modulo,
-                                          DiversityOptions() if diversity is None else diversity)
+        self.routing_table = RoutingTable(
+            self.node_id, bucket_size, depth_modulo, DiversityOptions() if diversity is None else diversity
+        )
         self.storage_limits = StorageLimits() if storage_limits is None else storage_limits
         self.storage = DHTLocalStorage(limits=self.storage_limits)
         self.cache = DHTLocalStorage(maxsize=cache_size, limits=self.storage_limits)
         self.protocol = DHTProtocol(
-            self.node_id, self.routing_table, self.storage, self.cache, record_validator, num_replicas, client_mode,
-            addresses_of=rpc.known_addresses, ip_of=rpc.remote_ip,
+            self.node_id,
+            self.routing_table,
+            self.storage,
+            self.cache,
+            record_validator,
+            num_replicas,
+            client_mode,
+            addresses_of=rpc.known_addresses,
+            ip_of=rpc.remote_ip,
             liveness=LivenessChecker(LivenessOptions() if liveness is None else liveness),
         )
         self.blacklist = Blacklist(blacklist_time, backoff_rate)
-        self.latency = LatencyEstimator(ceiling=wait_timeout, floor=min(DEFAULT_FLOOR, wait_timeout),
-                                        min_request_timeout=min_request_timeout)
+        self.latency = LatencyEstimator(
+            ceiling=wait_timeout,
+            floor=min(DEFAULT_FLOOR, wait_timeout),
+            min_request_timeout=min_request_timeout,
+        )
         self._unanswered = Unanswered()
         self._rpc_slots = asyncio.Semaphore(parallel_rpc or DEFAULT_PARALLEL_RPC)
         self._tasks: set[asyncio.Task] = set()
@@ -168,7 +190,9 @@ class DHTNode(StoreAndGet):
         if refresh_timeout is not None:
             self._spawn(self._refresh_buckets_loop(), essential=True)
         try:
-            await self._bootstrap(list(initial_peers), ensure_bootstrap_success, bootstrap_timeout or wait_timeout)
+            await self._bootstrap(
+                list(initial_peers), ensure_bootstrap_success, bootstrap_timeout or wait_timeout
+            )
         except BaseException:
             await self.shutdown()
             raise
@@ -229,7 +253,9 @@ class DHTNode(StoreAndGet):
             now = get_dht_time()
             ban = self.blacklist.register_failure(peer_id, now)
             self.protocol.peer_failed(peer_id)
-            logger.debug(f"{self!r}: {type(request).__name__} to {peer_id} failed ({_describe(error)}); ban {ban:.1f}s")
+            logger.debug(
+                f"{self!r}: {type(request).__name__} to {peer_id} failed ({_describe(error)}); ban {ban:.1f}s"
+            )
             if isinstance(error, OSError):  # timed out or unreachable (not a refusal): others may be gone too
                 self._sweep_after_failure(sent_at_dht, now)
             raise
@@ -258,7 +284,11 @@ class DHTNode(StoreAndGet):
         return response.node_id
 
     def _check_ping_response(self, peer_id, response: PingResponse, sent_at, received_at, validate) -> None:
-        if not sent_at - MAX_DHT_TIME_DISCREPANCY_SECONDS <= response.dht_time <= received_at + MAX_DHT_TIME_DISCREPANCY_SECONDS:
+        if (
+            not sent_at - MAX_DHT_TIME_DISCREPANCY_SECONDS
+            <= response.dht_time
+            <= received_at + MAX_DHT_TIME_DISCREPANCY_SECONDS
+        ):
             logger.warning(
                 f"Clock of {peer_id} differs from ours by more than {MAX_DHT_TIME_DISCREPANCY_SECONDS} s "
                 f"(ours: {sent_at:.3f}, theirs: {response.dht_time:.3f}); records may expire early or late. "
@@ -297,8 +327,11 @@ class DHTNode(StoreAndGet):
     async def _sweep(self, since: float) -> None:
         """Ping every entry silent since `since`, a few at a time; a ping that fails evicts its entry."""
         try:
-            quiet = [(node_id, peer_id) for node_id, peer_id in self.routing_table.not_seen_since(since)
-                     if node_id not in self._evicting]
+            quiet = [
+                (node_id, peer_id)
+                for node_id, peer_id in self.routing_table.not_seen_since(since)
+                if node_id not in self._evicting
+            ]
             slots = asyncio.Semaphore(self.protocol.liveness.options.sweep_concurrency)
 
             async def check(node_id: DHTID, peer_id: PeerID) -> None:
@@ -311,9 +344,11 @@ class DHTNode(StoreAndGet):
         finally:
             self._sweeping = False
         evicted = sum(node_id not in self.routing_table for node_id, _ in quiet)
-        logger.log(logging.INFO if evicted else logging.DEBUG,
-                   f"{self!r}: a failed request started a liveness sweep: {evicted} of {len(quiet)} quiet "
-                   f"entries did not answer and were evicted (table: {before} -> {len(self.routing_table)})")
+        logger.log(
+            logging.INFO if evicted else logging.DEBUG,
+            f"{self!r}: a failed request started a liveness sweep: {evicted} of {len(quiet)} quiet "
+            f"entries did not answer and were evicted (table: {before} -> {len(self.routing_table)})",
+        )
 
     async def _send_items(self, peer_id: PeerID, items: Sequence[StoreItem]) -> list[bool] | None:
         """Store `items` on one peer in requests of at most MAX_KEYS_PER_REQUEST: one flag per item,
@@ -386,7 +421,9 @@ class DHTNode(StoreAndGet):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if not answered:
-            tried = "; ".join(f"{peer_id}: {failures.get(peer_id, 'no answer')}" for peer_id in dict.fromkeys(initial_peers))
+            tried = "; ".join(
+                f"{peer_id}: {failures.get(peer_id, 'no answer')}" for peer_id in dict.fromkeys(initial_peers)
+            )
             message = (
                 f"DHTNode bootstrap failed: none of the {len(tasks)} initial peers answered a ping ({tried}). "
                 f"Check that the addresses are right and those peers are running and reachable."
@@ -406,7 +443,9 @@ class DHTNode(StoreAndGet):
     def _askable(self, peer_id: PeerID, now: float, loop_now: float) -> bool:
         return not self.blacklist.is_banned(peer_id, now) and not self._is_silent(peer_id, loop_now)
 
-    def _initial_nodes(self, queries: Collection[DHTID], count: int) -> dict[DHTID, list[tuple[DHTID, PeerID]]]:
+    def _initial_nodes(
+        self, queries: Collection[DHTID], count: int
+    ) -> dict[DHTID, list[tuple[DHTID, PeerID]]]:
         """The `count` nearest entries to each query that may be asked (banned and silent ones are
         passed over, so a table crowded with dead entries still starts a lookup with live ones)."""
         now, loop_now = get_dht_time(), asyncio.get_running_loop().time()
@@ -415,8 +454,11 @@ class DHTNode(StoreAndGet):
             wanted = count
             while True:
                 nearest = self.routing_table.get_nearest_neighbors(query, wanted, exclude=self.node_id)
-                askable = [(node_id, peer_id) for node_id, peer_id in nearest
-                           if self._askable(peer_id, now, loop_now)]
+                askable = [
+                    (node_id, peer_id)
+                    for node_id, peer_id in nearest
+                    if self._askable(peer_id, now, loop_now)
+                ]
                 if len(askable) >= count or len(nearest) < wanted:
                     break
                 wanted *= 2
@@ -445,7 +487,8 @@ class DHTNode(StoreAndGet):
                 deadline = traversal.next_deadline()
                 timeout = None if deadline is None else max(0.0, deadline - loop.time())
                 finished, _ = await asyncio.wait(
-                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                    pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
                 now = get_dht_time()
                 for task in finished:
                     request = pending.pop(task)
@@ -485,11 +528,16 @@ class DHTNode(StoreAndGet):
             if cancelled:
                 await asyncio.gather(*cancelled, return_exceptions=True)
 
-    def _new_traversal(self, queries: Collection[DHTID], beam_size: int,
-                       num_workers: int | None) -> Traversal:
+    def _new_traversal(
+        self, queries: Collection[DHTID], beam_size: int, num_workers: int | None
+    ) -> Traversal:
         return Traversal(
-            queries, self._initial_nodes(queries, beam_size), beam_size, num_workers or self.num_workers,
-            exclude=[self.node_id], straggler_timeout=self.latency.straggler_timeout(),
+            queries,
+            self._initial_nodes(queries, beam_size),
+            beam_size,
+            num_workers or self.num_workers,
+            exclude=[self.node_id],
+            straggler_timeout=self.latency.straggler_timeout(),
             min_straggler_timeout=self.latency.floor,
         )
 

@@ -36,8 +36,14 @@ class HostDHTTransport:
 
     async def call(self, peer: PeerID, request_bytes: bytes, timeout: float) -> bytes:
         try:
-            return await rpc.call(self.host, peer, DHT_PROTOCOL, request_bytes, timeout=timeout,
-                                  max_message_size=MAX_DHT_MESSAGE_SIZE)
+            return await rpc.call(
+                self.host,
+                peer,
+                DHT_PROTOCOL,
+                request_bytes,
+                timeout=timeout,
+                max_message_size=MAX_DHT_MESSAGE_SIZE,
+            )
         except rpc.RPCError as error:
             raise DHTRPCError(str(error)) from None
         except rpc.RPCProtocolError as error:
@@ -47,8 +53,13 @@ class HostDHTTransport:
         async def serve(request: bytes, context: rpc.RPCContext) -> bytes:
             return await handler(context.remote_peer, request)
 
-        rpc.add_handler(self.host, DHT_PROTOCOL, serve, max_message_size=MAX_DHT_MESSAGE_SIZE,
-                        max_concurrent_per_peer=MAX_CONCURRENT_REQUESTS_PER_PEER)
+        rpc.add_handler(
+            self.host,
+            DHT_PROTOCOL,
+            serve,
+            max_message_size=MAX_DHT_MESSAGE_SIZE,
+            max_concurrent_per_peer=MAX_CONCURRENT_REQUESTS_PER_PEER,
+        )
 
     def _binary_addresses(self, peer: PeerID) -> tuple[bytes, ...]:
         """The host's addresses of `peer`, in binary, converted again only when the host's list
@@ -104,8 +115,9 @@ class HostDHTTransport:
 Dial = Callable[[Multiaddr, float], Awaitable[PeerID]]
 
 
-async def dial_initial_peers(host: Host, addrs: Sequence[Multiaddr], timeout: float, ensure_success: bool,
-                             dial: Dial | None = None) -> list[PeerID]:
+async def dial_initial_peers(
+    host: Host, addrs: Sequence[Multiaddr], timeout: float, ensure_success: bool, dial: Dial | None = None
+) -> list[PeerID]:
     """Dial every address at once; the peer ids that answered. With `ensure_success`, raise
     DHTBootstrapError naming each address and why, if none did."""
     if not addrs:
@@ -119,15 +131,22 @@ async def dial_initial_peers(host: Host, addrs: Sequence[Multiaddr], timeout: fl
     connected = [result for result in results if isinstance(result, PeerID)]
     if not connected and ensure_success:
         reasons = "; ".join(f"{addr}: {result}" for addr, result in zip(addrs, results))
-        raise DHTBootstrapError(f"failed to connect to bootstrap peers: could not reach any initial peer "
-                             f"(tried {reasons}). Are the addresses right and the ports open?")
+        raise DHTBootstrapError(
+            f"failed to connect to bootstrap peers: could not reach any initial peer "
+            f"(tried {reasons}). Are the addresses right and the ports open?"
+        )
     return list(dict.fromkeys(connected))
 
 
-async def open_host_transport(host: Host | None, initial_peers: Sequence, timeout: float,
-                              ensure_success: bool, host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-                              announce_maddrs: Sequence[str] = (), identity_path: str | None = None,
-                              ) -> tuple[HostDHTTransport, list[PeerID]]:
+async def open_host_transport(
+    host: Host | None,
+    initial_peers: Sequence,
+    timeout: float,
+    ensure_success: bool,
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    announce_maddrs: Sequence[str] = (),
+    identity_path: str | None = None,
+) -> tuple[HostDHTTransport, list[PeerID]]:
     """A transport over `host` (or over a new one listening on `host_maddrs`, owned by the
     transport), and the peer ids of `initial_peers`, which may be PeerIDs or multiaddrs to dial."""
     owns_host = host is None

@@ -122,14 +122,19 @@ class DHTProtocol:
         raise TypeError(f"not a DHT request: {type(request).__name__}")
 
     def is_valid(self, key: DHTID, subkey: bytes | None, value: bytes, expiration_time: float) -> bool:
-        return self.validator is None or self.validator.validate(make_record(key, subkey, value, expiration_time))
+        return self.validator is None or self.validator.validate(
+            make_record(key, subkey, value, expiration_time)
+        )
 
     def store_item(self, item: StoreItem, now: float, sender: bytes | None = None) -> bool:
         """Validate and keep one record (in the cache if `in_cache`), booked to `sender` (the peer id
         bytes of whoever sent it; None: ourselves) for the storage limits; False if refused."""
         if not self.is_valid(item.key, item.subkey, item.value, item.expiration_time):
-            self._refusals.warning(("invalid record", sender), f"refused a record from {describe_sender(sender)}: "
-                                                        f"it fails validation (signature, schema or bounds)")
+            self._refusals.warning(
+                ("invalid record", sender),
+                f"refused a record from {describe_sender(sender)}: "
+                f"it fails validation (signature, schema or bounds)",
+            )
             return False
         target = self.cache if item.in_cache else self.storage
         return target.store(item.key, item.value, item.expiration_time, now, item.subkey, sender)
@@ -152,13 +157,17 @@ class DHTProtocol:
         return tuple((peer, tuple(addrs)) for peer in peers if (addrs := self.addresses_of(peer)))
 
     def _find(self, key: DHTID, requester: DHTID | None, now: float) -> FindResult:
-        nearest = tuple(self.routing_table.get_nearest_neighbors(key, self.routing_table.bucket_size, requester))
+        nearest = tuple(
+            self.routing_table.get_nearest_neighbors(key, self.routing_table.bucket_size, requester)
+        )
         found = self.lookup_local(key, now)
         if found is None:
             return FindResult(None, None, float("-inf"), nearest)
         if isinstance(found.value, DictionaryDHTValue):
-            entries = tuple((subkey, item.value, item.expiration_time)
-                            for subkey, item in self.storage.reply_items(found.value, now))
+            entries = tuple(
+                (subkey, item.value, item.expiration_time)
+                for subkey, item in self.storage.reply_items(found.value, now)
+            )
             return FindResult(None, entries, found.expiration_time, nearest)
         return FindResult(found.value, None, found.expiration_time, nearest)
 
@@ -169,8 +178,11 @@ class DHTProtocol:
         ip = self.ip_of(peer_id) if self.ip_of is not None else None
         if is_new and (refusal := self.routing_table.refusal(node_id, ip)) is not None:
             group = self.routing_table.diversity.group_of(ip)
-            self._refusals.log(logging.INFO, ("routing diversity", group),
-                               f"not adding {peer_id} at {ip} to the routing table: {refusal}")
+            self._refusals.log(
+                logging.INFO,
+                ("routing diversity", group),
+                f"not adding {peer_id} at {ip} to the routing table: {refusal}",
+            )
             return []
         to_ping = self.routing_table.add_or_update_node(node_id, peer_id, now, ip)
         actions: list[Action] = []
@@ -190,14 +202,18 @@ class DHTProtocol:
         of the key, and we are nearer to the key than any other peer we know (so one node sends)."""
         items: list[StoreItem] = []
         for key, (value, expiration_time) in self.storage.items(now):
-            neighbours = self.routing_table.get_nearest_neighbors(key, self.num_replicas, exclude=self.node_id)
+            neighbours = self.routing_table.get_nearest_neighbors(
+                key, self.num_replicas, exclude=self.node_id
+            )
             if new_node_id not in (node_id for node_id, _ in neighbours):
                 continue
             others = [node_id ^ key for node_id, _ in neighbours if node_id != new_node_id]
             if others and (self.node_id ^ key) > min(others):
                 continue
             if isinstance(value, DictionaryDHTValue):
-                items.extend(StoreItem(key, sub, item.value, item.expiration_time) for sub, item in value.items(now))
+                items.extend(
+                    StoreItem(key, sub, item.value, item.expiration_time) for sub, item in value.items(now)
+                )
             else:
                 items.append(StoreItem(key, None, value, expiration_time))
         return items
@@ -207,7 +223,9 @@ class DHTProtocol:
     def filter_found(self, key: DHTID, result: FindResult, now: float) -> FindResult:
         """The result without records that fail validation or have already expired."""
         if result.value is not None:
-            if result.expiration_time > now and self.is_valid(key, None, result.value, result.expiration_time):
+            if result.expiration_time > now and self.is_valid(
+                key, None, result.value, result.expiration_time
+            ):
                 return result
             return dataclasses.replace(result, value=None, expiration_time=float("-inf"))
         if result.entries is not None:

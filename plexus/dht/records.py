@@ -24,8 +24,13 @@ def make_record(key: DHTID, subkey: bytes | None, value: bytes, expiration_time:
     return DHTRecord(key.to_bytes(), PLAIN_VALUE_SUBKEY if subkey is None else subkey, value, expiration_time)
 
 
-def merge_found(target: DHTLocalStorage, key_id: DHTID, found: FindResult | ValueWithExpiration, now: float,
-                sender: Sender = None) -> None:
+def merge_found(
+    target: DHTLocalStorage,
+    key_id: DHTID,
+    found: FindResult | ValueWithExpiration,
+    now: float,
+    sender: Sender = None,
+) -> None:
     """`sender`: the peer whose answer `found` is; entries merged from a storage keep their own."""
     if isinstance(found, FindResult):
         if found.entries is not None:
@@ -34,8 +39,9 @@ def merge_found(target: DHTLocalStorage, key_id: DHTID, found: FindResult | Valu
             target.store(key_id, found.value, found.expiration_time, now, sender=sender)
     elif isinstance(found.value, DictionaryDHTValue):
         for subkey, item in found.value.items(now):
-            target.store_subkey(key_id, subkey, item.value, item.expiration_time, now,
-                                found.value.senders.get(subkey, sender))
+            target.store_subkey(
+                key_id, subkey, item.value, item.expiration_time, now, found.value.senders.get(subkey, sender)
+            )
     else:
         target.store(key_id, found.value, found.expiration_time, now, sender=sender)
 
@@ -64,8 +70,9 @@ def unpack_found(
         return None
     if not isinstance(found.value, DictionaryDHTValue):
         try:
-            return ValueWithExpiration(_unpack(validator, key_id, None, found.value, found.expiration_time),
-                                       found.expiration_time)
+            return ValueWithExpiration(
+                _unpack(validator, key_id, None, found.value, found.expiration_time), found.expiration_time
+            )
         except (SerializationError, TypeError) as error:
             logger.debug(f"dropping a value of {key_id!r} that does not unpack: {error}")
             return None

@@ -85,8 +85,9 @@ class KBucket:
     def has_in_range(self, node_id: int) -> bool:
         return self.lower <= node_id < self.upper
 
-    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float,
-                           group: str | None = None) -> bool:
+    def add_or_update_node(
+        self, node_id: DHTID, peer_id: PeerID, now: float, group: str | None = None
+    ) -> bool:
         """Move the peer to the most-recently-seen end; False when the bucket is full (kept as replacement).
         `group` is the peer's diversity group, recorded when the peer is new to this bucket."""
         self.last_updated = now
@@ -151,8 +152,13 @@ class KBucket:
 class RoutingTable:
     """The k-buckets of one node, and the DHTID <-> PeerID map of the peers in them."""
 
-    def __init__(self, node_id: DHTID, bucket_size: int = 20, depth_modulo: int = 5,
-                 diversity: DiversityOptions | None = None):
+    def __init__(
+        self,
+        node_id: DHTID,
+        bucket_size: int = 20,
+        depth_modulo: int = 5,
+        diversity: DiversityOptions | None = None,
+    ):
         if bucket_size < 1 or depth_modulo < 1:
             raise ValueError("bucket_size and depth_modulo must be positive")
         self.node_id, self.bucket_size, self.depth_modulo = node_id, bucket_size, depth_modulo
@@ -187,8 +193,9 @@ class RoutingTable:
             return None
         limit = self.diversity.max_per_table
         if limit is not None and self.group_sizes[group] >= limit:
-            return (f"{group} already has {self.group_sizes[group]} routing-table entries "
-                    f"(max_per_table={limit})")
+            return (
+                f"{group} already has {self.group_sizes[group]} routing-table entries (max_per_table={limit})"
+            )
         limit = self.diversity.max_per_bucket
         if limit is not None and (count := self.count_at_distance(group, node_id)) >= limit:
             return f"{group} already has {count} peers at that distance (max_per_bucket={limit})"
@@ -203,11 +210,15 @@ class RoutingTable:
         bucket (a far one holds a single prefix length, ours every longer one)."""
         bucket = self.buckets[self.get_bucket_index(node_id)]
         length = self.common_prefix_length(node_id)
-        return sum(1 for member, member_group in bucket.groups.items()
-                   if member_group == group and self.common_prefix_length(member) == length)
+        return sum(
+            1
+            for member, member_group in bucket.groups.items()
+            if member_group == group and self.common_prefix_length(member) == length
+        )
 
-    def add_or_update_node(self, node_id: DHTID, peer_id: PeerID, now: float,
-                           ip: str | None = None) -> tuple[DHTID, PeerID] | None:
+    def add_or_update_node(
+        self, node_id: DHTID, peer_id: PeerID, now: float, ip: str | None = None
+    ) -> tuple[DHTID, PeerID] | None:
         """Record that the peer (at `ip`, if known) was seen alive. Returns a (node_id, peer_id) to ping
         when the bucket is full and may not split: if that ping fails, call `remove` so the newcomer
         takes its place. A peer that `refusal` turns away is not recorded at all."""
@@ -219,8 +230,9 @@ class RoutingTable:
             self.remove(old_uid)  # the peer restarted with a new DHT id
         return self._add(node_id, peer_id, now, group)
 
-    def _add(self, node_id: DHTID, peer_id: PeerID, now: float,
-             group: str | None) -> tuple[DHTID, PeerID] | None:
+    def _add(
+        self, node_id: DHTID, peer_id: PeerID, now: float, group: str | None
+    ) -> tuple[DHTID, PeerID] | None:
         index = self.get_bucket_index(node_id)
         bucket = self.buckets[index]
         if bucket.add_or_update_node(node_id, peer_id, now, group):
@@ -294,9 +306,12 @@ class RoutingTable:
 
     def not_seen_since(self, moment: float) -> list[tuple[DHTID, PeerID]]:
         """The entries (not replacements) that have shown no sign of life since `moment`, oldest first."""
-        quiet = [(bucket.seen.get(node_id, float("-inf")), node_id, peer_id)
-                 for bucket in self.buckets for node_id, peer_id in bucket.nodes.items()
-                 if bucket.seen.get(node_id, float("-inf")) < moment]
+        quiet = [
+            (bucket.seen.get(node_id, float("-inf")), node_id, peer_id)
+            for bucket in self.buckets
+            for node_id, peer_id in bucket.nodes.items()
+            if bucket.seen.get(node_id, float("-inf")) < moment
+        ]
         return [(node_id, peer_id) for _, node_id, peer_id in sorted(quiet, key=lambda item: item[0])]
 
     def stale_buckets(self, now: float, refresh_timeout: float) -> list[KBucket]:

@@ -83,8 +83,9 @@ class RSAPrivateKey:
 
     def to_bytes(self) -> bytes:
         """PKCS#8 DER, unencrypted: keep it private."""
-        return self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption())
+        return self._key.private_bytes(
+            serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RSAPrivateKey:

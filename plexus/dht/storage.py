@@ -108,8 +108,9 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
         owner = owner_of(subkey)
         return ("owner", owner) if owner is not None else ("sender", sender)
 
-    def store(self, key: Subkey, value: BinaryValue, expiration_time: float, now: float,
-              sender: Sender = None) -> bool:
+    def store(
+        self, key: Subkey, value: BinaryValue, expiration_time: float, now: float, sender: Sender = None
+    ) -> bool:
         stored = super().store(key, value, expiration_time, now)
         if stored:
             self.latest_expiration_time = max(self.latest_expiration_time, expiration_time)
@@ -136,8 +137,9 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
     def soonest(self, entries) -> Subkey:
         return min(entries, key=lambda subkey: self.data[subkey].expiration_time)
 
-    def fair_items(self, now: float, max_entries: int,
-                   max_bytes: int) -> list[tuple[Subkey, ValueWithExpiration]]:
+    def fair_items(
+        self, now: float, max_entries: int, max_bytes: int
+    ) -> list[tuple[Subkey, ValueWithExpiration]]:
         """At most `max_entries` entries and `max_bytes`, taken round-robin across senders and,
         within a sender, across accounts (latest-expiring first), so that nobody can crowd the
         others out of a reply however many entries they stuffed in."""
@@ -219,14 +221,22 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         return 0 if self._ledger is None else self._ledger.bytes.get(sender, 0)
 
     def store(
-        self, key: DHTID, value: BinaryValue, expiration_time: float, now: float,
-        subkey: Subkey | None = None, sender: Sender = None,
+        self,
+        key: DHTID,
+        value: BinaryValue,
+        expiration_time: float,
+        now: float,
+        subkey: Subkey | None = None,
+        sender: Sender = None,
     ) -> bool:
         if subkey is not None:
             return self.store_subkey(key, subkey, value, expiration_time, now, sender)
         current = self.get(key, now)
-        if current is not None and isinstance(current.value, DictionaryDHTValue) \
-                and current.value.has_owned_entries(now):
+        if (
+            current is not None
+            and isinstance(current.value, DictionaryDHTValue)
+            and current.value.has_owned_entries(now)
+        ):
             return self._refuse(sender, "signed entries", "a plain value cannot replace signed entries")
         if current is not None and current.expiration_time >= expiration_time or expiration_time <= now:
             return False
@@ -238,7 +248,12 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         return True
 
     def store_subkey(
-        self, key: DHTID, subkey: Subkey, value: BinaryValue, expiration_time: float, now: float,
+        self,
+        key: DHTID,
+        subkey: Subkey,
+        value: BinaryValue,
+        expiration_time: float,
+        now: float,
         sender: Sender = None,
     ) -> bool:
         """Add or update one dictionary entry; fails if a plain value with a later expiration is held
@@ -261,8 +276,9 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
             current = self.data.get(key)
         if current is not None and not isinstance(current.value, DictionaryDHTValue):
             current = None
-        if current is not None and not self._make_room_in_key(current.value, subkey, expiration_time, now,
-                                                              sender):
+        if current is not None and not self._make_room_in_key(
+            current.value, subkey, expiration_time, now, sender
+        ):
             return False
         if current is None:
             dictionary = self._new_dictionary(key)
@@ -282,11 +298,14 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         self, key: DHTID, entries: list[tuple[Subkey, BinaryValue, float]], now: float, sender: Sender = None
     ) -> list[bool]:
         """Merge many entries of one dictionary (as found elsewhere or handed over), entry by entry."""
-        return [self.store_subkey(key, subkey, value, expiration, now, sender)
-                for subkey, value, expiration in entries]
+        return [
+            self.store_subkey(key, subkey, value, expiration, now, sender)
+            for subkey, value, expiration in entries
+        ]
 
-    def reply_items(self, dictionary: DictionaryDHTValue,
-                    now: float) -> list[tuple[Subkey, ValueWithExpiration]]:
+    def reply_items(
+        self, dictionary: DictionaryDHTValue, now: float
+    ) -> list[tuple[Subkey, ValueWithExpiration]]:
         """The entries of `dictionary` a reader gets: all of them, or a fair share within the limits."""
         if self.limits is None:
             return list(dictionary.items(now))
@@ -321,30 +340,48 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         _REFUSALS.warning((limit, sender), f"DHT storage refused a record from {who} ({limit}): {reason}")
         return False
 
-    def _admit(self, key: DHTID, subkey: Subkey | None, value: BinaryValue, expiration_time: float,
-               now: float, sender: Sender) -> bool:
+    def _admit(
+        self,
+        key: DHTID,
+        subkey: Subkey | None,
+        value: BinaryValue,
+        expiration_time: float,
+        now: float,
+        sender: Sender,
+    ) -> bool:
         """Per-sender quotas, the expiration horizon and the total bound (making room if fair)."""
         limits, ledger = self.limits, self._ledger
         if limits is None:
             return True
         if expiration_time > now + limits.max_expiration:
-            return self._refuse(sender, "max_expiration", f"expiration {expiration_time - now:.0f} s ahead "
-                                f"exceeds the horizon of {limits.max_expiration:.0f} s")
+            return self._refuse(
+                sender,
+                "max_expiration",
+                f"expiration {expiration_time - now:.0f} s ahead "
+                f"exceeds the horizon of {limits.max_expiration:.0f} s",
+            )
         size = record_size(subkey, value)
         replaced = ledger.records.get(sender, {}).get((key, subkey), 0)
         if sender is not None:
             held = len(ledger.records.get(sender, ())) - (1 if replaced else 0)
             if held >= limits.max_records_per_sender:
-                return self._refuse(sender, "max_records_per_sender",
-                                    f"it holds {limits.max_records_per_sender} records here already")
+                return self._refuse(
+                    sender,
+                    "max_records_per_sender",
+                    f"it holds {limits.max_records_per_sender} records here already",
+                )
             if ledger.bytes.get(sender, 0) - replaced + size > limits.max_bytes_per_sender:
-                return self._refuse(sender, "max_bytes_per_sender",
-                                    f"it would hold over {limits.max_bytes_per_sender} bytes here")
+                return self._refuse(
+                    sender,
+                    "max_bytes_per_sender",
+                    f"it would hold over {limits.max_bytes_per_sender} bytes here",
+                )
         while ledger.total_bytes - replaced + size > limits.max_bytes:
             heaviest = ledger.heaviest()
             if heaviest == sender or ledger.bytes[heaviest] <= ledger.bytes.get(sender, 0) + size:
-                return self._refuse(sender, "max_bytes",
-                                    f"the node holds {limits.max_bytes} bytes, and this sender the most")
+                return self._refuse(
+                    sender, "max_bytes", f"the node holds {limits.max_bytes} bytes, and this sender the most"
+                )
             self._evict(*next(iter(ledger.records[heaviest])))
         return True
 
@@ -358,8 +395,14 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
                 self.remove(key)
         self._ledger.release((key, subkey))  # whatever happened above, this booking is gone
 
-    def _make_room_in_key(self, dictionary: DictionaryDHTValue, subkey: Subkey, expiration_time: float,
-                          now: float, sender: Sender) -> bool:
+    def _make_room_in_key(
+        self,
+        dictionary: DictionaryDHTValue,
+        subkey: Subkey,
+        expiration_time: float,
+        now: float,
+        sender: Sender,
+    ) -> bool:
         """Per-key rules for a new or updated entry: one owner's entries, one sender's, a full key."""
         limits = self.limits
         if limits is None or subkey in dictionary:
@@ -370,22 +413,31 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         if account[0] == "owner" and len(mine) >= limits.max_subkeys_per_owner:
             oldest = dictionary.soonest(mine)
             if dictionary.data[oldest].expiration_time >= expiration_time:
-                return self._refuse(sender, "max_subkeys_per_owner",
-                                    f"owner {account[1][:24]!r}... has {len(mine)} newer entries in this key")
+                return self._refuse(
+                    sender,
+                    "max_subkeys_per_owner",
+                    f"owner {account[1][:24]!r}... has {len(mine)} newer entries in this key",
+                )
             dictionary.remove(oldest)
             return True
         if account[0] == "sender" and sender is not None and len(mine) >= limits.max_subkeys_per_sender:
-            return self._refuse(sender, "max_subkeys_per_sender",
-                                f"it added {limits.max_subkeys_per_sender} entries to one key")
+            return self._refuse(
+                sender,
+                "max_subkeys_per_sender",
+                f"it added {limits.max_subkeys_per_sender} entries to one key",
+            )
         if len(dictionary) >= limits.max_entries_per_key:
             # drop from the largest group, by account or by sender (a Sybil's many owners share a sender)
             groups = [*dictionary.accounts.values(), *dictionary.by_sender.values()]
             largest = max(groups, key=len)
             own = max(len(mine), len(dictionary.by_sender.get(sender, ())))
             if len(largest) <= own + 1:
-                return self._refuse(sender, "max_entries_per_key",
-                                    f"the key holds {limits.max_entries_per_key} entries, and this sender "
-                                    f"or account holds the most")
+                return self._refuse(
+                    sender,
+                    "max_entries_per_key",
+                    f"the key holds {limits.max_entries_per_key} entries, and this sender "
+                    f"or account holds the most",
+                )
             dictionary.remove(dictionary.soonest(largest))
         return True
 
@@ -400,5 +452,15 @@ def describe_sender(sender: Sender) -> str:
         return repr(sender[:64])
 
 
-__all__ = ["BinaryValue", "DHTLocalStorage", "DictionaryDHTValue", "Sender", "StorageLimits", "StoredValue",
-           "Subkey", "ValueWithExpiration", "describe_sender", "owner_of"]
+__all__ = [
+    "BinaryValue",
+    "DHTLocalStorage",
+    "DictionaryDHTValue",
+    "Sender",
+    "StorageLimits",
+    "StoredValue",
+    "Subkey",
+    "ValueWithExpiration",
+    "describe_sender",
+    "owner_of",
+]

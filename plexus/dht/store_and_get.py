@@ -69,7 +69,9 @@ class StoreAndGet:
             subkey_bytes = None if subkey is None else MSGPackSerializer.dumps(subkey)
             value_bytes = MSGPackSerializer.dumps(value)
             if self.record_validator is not None:
-                value_bytes = self.record_validator.sign_value(make_record(key_id, subkey_bytes, value_bytes, expiration))
+                value_bytes = self.record_validator.sign_value(
+                    make_record(key_id, subkey_bytes, value_bytes, expiration)
+                )
             items.append(StoreItem(key_id, subkey_bytes, value_bytes, float(expiration)))
             names.append(key if subkey is None else (key, subkey))
         live = [i for i, item in enumerate(items) if item.expiration_time > now]
@@ -83,7 +85,9 @@ class StoreAndGet:
             if self.cache_on_store:
                 item = items[i]
                 if stored:
-                    self.cache.store(item.key, item.value, item.expiration_time, get_dht_time(), subkey=item.subkey)
+                    self.cache.store(
+                        item.key, item.value, item.expiration_time, get_dht_time(), subkey=item.subkey
+                    )
                 else:  # a newer record exists somewhere: do not keep answering from a stale copy
                     self.cache.remove(item.key)
         return ok
@@ -109,7 +113,9 @@ class StoreAndGet:
             if not batches:
                 return accepted
             peers = list(batches)
-            outcomes = await asyncio.gather(*(self._send_items(p, [items[i] for i in batches[p]]) for p in peers))
+            outcomes = await asyncio.gather(
+                *(self._send_items(p, [items[i] for i in batches[p]]) for p in peers)
+            )
             for peer_id, outcome in zip(peers, outcomes):
                 if outcome is not None:
                     for i, stored in zip(batches[peer_id], outcome):
@@ -140,7 +146,10 @@ class StoreAndGet:
         key_ids = {key: DHTID.generate(source=key) for key in keys}
         found = await self.get_many_by_id(list(key_ids.values()), sufficient_expiration_time, **kwargs)
         now = get_dht_time()
-        return {key: unpack_found(key_id, found[key_id], self.record_validator, now) for key, key_id in key_ids.items()}
+        return {
+            key: unpack_found(key_id, found[key_id], self.record_validator, now)
+            for key, key_id in key_ids.items()
+        }
 
     async def get_many_by_id(
         self,
@@ -161,7 +170,9 @@ class StoreAndGet:
                 if local is not None:
                     merge_found(merged, key_id, local, now)
             if cached is not None and not _is_refresh and self.cache_refresh_before_expiry > 0:
-                if self._refresh_queue.schedule(key_id, cached.expiration_time - self.cache_refresh_before_expiry):
+                if self._refresh_queue.schedule(
+                    key_id, cached.expiration_time - self.cache_refresh_before_expiry
+                ):
                     self._refresh_wakeup.set()
             best = merged.get(key_id, now)
             if best is None or best.expiration_time < sufficient:
@@ -226,8 +237,11 @@ class StoreAndGet:
                 merge_found(self.cache, key_id, best, now)
             if self.cache_nearest > 0:
                 lacking = sorted(
-                    ((node_id, peer_id) for expiration, node_id, peer_id in answers[key_id]
-                     if expiration < best.expiration_time),
+                    (
+                        (node_id, peer_id)
+                        for expiration, node_id, peer_id in answers[key_id]
+                        if expiration < best.expiration_time
+                    ),
                     key=lambda item: item[0] ^ key_id,
                 )
                 items = store_items_of(key_id, best, now, in_cache=True)

@@ -139,7 +139,8 @@ class Traversal:
             bound = self._beam_bound(state)
             candidate = self._nearest_candidate(state)
             waiting = any((node_id ^ state.query) < bound for node_id in state.in_flight) or (
-                state.straggling and len(state.beam) < self.beam_size)
+                state.straggling and len(state.beam) < self.beam_size
+            )
             if not waiting and (candidate is None or candidate[0] >= bound):
                 state.finished = True
         return state.finished
@@ -231,8 +232,9 @@ class Traversal:
             state.in_flight.remove(request.node_id)
         return states
 
-    def on_response(self, request: TraversalRequest, neighbours: Mapping[DHTID, Neighbours],
-                    now: float | None = None) -> None:
+    def on_response(
+        self, request: TraversalRequest, neighbours: Mapping[DHTID, Neighbours], now: float | None = None
+    ) -> None:
         """The peer answered (a straggler too): it joins the beam of each query it was asked, and
         its neighbours become candidates of the queries still open. With `now`, how long it took
         tunes the straggler limit."""
@@ -288,5 +290,7 @@ class Traversal:
 
     def __repr__(self) -> str:
         finished = sum(state.finished for state in self._states.values())
-        return (f"Traversal({finished}/{len(self._states)} finished, {len(self._in_flight)} in flight, "
-                f"{len(self._stragglers)} straggling, {len(self._abandoned)} of them abandoned)")
+        return (
+            f"Traversal({finished}/{len(self._states)} finished, {len(self._in_flight)} in flight, "
+            f"{len(self._stragglers)} straggling, {len(self._abandoned)} of them abandoned)"
+        )

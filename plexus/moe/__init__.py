@@ -19,9 +19,23 @@ from .schema import BatchTensorDescriptor
 from .server import ModuleBackend, Server, background_server, register_expert_class
 
 __all__ = [
-    "FLAT_EXPERT", "UID_DELIMITER", "BatchTensorDescriptor", "ExpertInfo", "ExpertPrefix", "ExpertUID",
-    "MoEBeamSearcher", "ModuleBackend", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts",
-    "RemoteSwitchMixtureOfExperts", "Server", "TooFewExpertsError", "background_server",
-    "create_remote_experts", "declare_experts",
-    "get_experts", "register_expert_class",
+    "FLAT_EXPERT",
+    "UID_DELIMITER",
+    "BatchTensorDescriptor",
+    "ExpertInfo",
+    "ExpertPrefix",
+    "ExpertUID",
+    "MoEBeamSearcher",
+    "ModuleBackend",
+    "RemoteExpert",
+    "RemoteExpertError",
+    "RemoteMixtureOfExperts",
+    "RemoteSwitchMixtureOfExperts",
+    "Server",
+    "TooFewExpertsError",
+    "background_server",
+    "create_remote_experts",
+    "declare_experts",
+    "get_experts",
+    "register_expert_class",
 ]

@@ -56,8 +56,9 @@ def declaration_entries(uids: Sequence[ExpertUID], peer_id: PeerID) -> tuple[lis
     return keys, subkeys, values
 
 
-async def store_declarations(node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID,
-                             expiration_time: DHTExpiration) -> dict:
+async def store_declarations(
+    node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID, expiration_time: DHTExpiration
+) -> dict:
     """Store the records that announce `uids`; whether each was stored, by record: `uid` for the
     plain ones, `(prefix, coordinate)` for the prefix entries."""
     if not uids:
@@ -66,8 +67,9 @@ async def store_declarations(node: DHTNode, uids: Sequence[ExpertUID], peer_id: 
     return await node.store_many(keys, values, expiration_time, subkeys=subkeys)
 
 
-async def declare_experts_async(node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID,
-                                expiration_time: DHTExpiration) -> dict[ExpertUID, bool]:
+async def declare_experts_async(
+    node: DHTNode, uids: Sequence[ExpertUID], peer_id: PeerID, expiration_time: DHTExpiration
+) -> dict[ExpertUID, bool]:
     """Announce `uids` as served by `peer_id` until `expiration_time`; {uid: every record stored}."""
     stored = await store_declarations(node, uids, peer_id, expiration_time)
     result = {}
@@ -77,8 +79,9 @@ async def declare_experts_async(node: DHTNode, uids: Sequence[ExpertUID], peer_i
     return result
 
 
-def declare_experts(dht, uids: Sequence[ExpertUID], expiration_time: DHTExpiration,
-                    wait: bool = True) -> dict | concurrent.futures.Future:
+def declare_experts(
+    dht, uids: Sequence[ExpertUID], expiration_time: DHTExpiration, wait: bool = True
+) -> dict | concurrent.futures.Future:
     """Announce that this DHT peer serves `uids` until `expiration_time` (absolute DHT time).
 
     Returns, as hivemind does, whether each record was stored: `{uid: ok, (prefix, coordinate): ok}`
@@ -104,12 +107,17 @@ async def learn_addresses(node: DHTNode, host: Host, peer_ids: Sequence[PeerID])
     may query the very peer being dialed, join that pending dial and stall until the DHT's
     wait_timeout. Doing it first, outside any dial, avoids that.
     """
-    unknown = [peer for peer in dict.fromkeys(peer_ids)
-               if peer != host.peer_id and host.get_connection(peer) is None
-               and not getattr(host.peer_info(peer), "addrs", None)]
+    unknown = [
+        peer
+        for peer in dict.fromkeys(peer_ids)
+        if peer != host.peer_id
+        and host.get_connection(peer) is None
+        and not getattr(host.peer_info(peer), "addrs", None)
+    ]
     if unknown:
-        await node.find_nearest_nodes([DHTID.generate(source=peer.to_bytes()) for peer in unknown],
-                                      exclude_self=True)
+        await node.find_nearest_nodes(
+            [DHTID.generate(source=peer.to_bytes()) for peer in unknown], exclude_self=True
+        )
 
 
 def _peer_id(text: object) -> PeerID | None:
@@ -121,8 +129,9 @@ def _peer_id(text: object) -> PeerID | None:
         return None
 
 
-async def get_experts_async(node: DHTNode, host: Host, uids: Sequence[ExpertUID],
-                            expiration_time: DHTExpiration | None = None) -> list[RemoteExpert | None]:
+async def get_experts_async(
+    node: DHTNode, host: Host, uids: Sequence[ExpertUID], expiration_time: DHTExpiration | None = None
+) -> list[RemoteExpert | None]:
     """`get_experts` for asyncio code on the DHT's loop."""
     if not uids:
         return []
@@ -136,11 +145,15 @@ async def get_experts_async(node: DHTNode, host: Host, uids: Sequence[ExpertUID]
     return experts
 
 
-def create_remote_experts(infos: Sequence[ExpertInfo | None], dht, return_future: bool = False,
-                          ) -> list[RemoteExpert | None] | concurrent.futures.Future:
+def create_remote_experts(
+    infos: Sequence[ExpertInfo | None],
+    dht,
+    return_future: bool = False,
+) -> list[RemoteExpert | None] | concurrent.futures.Future:
     """A RemoteExpert for each ExpertInfo (None stays None), calling through the DHT's host, whose
     DHT finds the servers' addresses. `infos` may also be a future of that list (hivemind's
     `get_experts(..., return_future=True)` result)."""
+
     async def create(dht_, node):
         found = await asyncio.wrap_future(infos) if isinstance(infos, concurrent.futures.Future) else infos
         experts = [None if info is None else RemoteExpert(ExpertInfo(*info), dht_.host) for info in found]
@@ -150,20 +163,23 @@ def create_remote_experts(infos: Sequence[ExpertInfo | None], dht, return_future
     return dht.run_coroutine(create, return_future=return_future)
 
 
-def get_experts(dht, uids: Sequence[ExpertUID], expiration_time: DHTExpiration | None = None,
-                return_future: bool = False) -> list[RemoteExpert | None] | concurrent.futures.Future:
+def get_experts(
+    dht, uids: Sequence[ExpertUID], expiration_time: DHTExpiration | None = None, return_future: bool = False
+) -> list[RemoteExpert | None] | concurrent.futures.Future:
     """A RemoteExpert for each uid announced in the DHT (None for those not found or expired).
 
     `expiration_time`: accept only announcements that live at least until then (default: now).
     """
+
     async def get(dht_, node):
         return await get_experts_async(node, dht_.host, list(uids), expiration_time)
 
     return dht.run_coroutine(get, return_future=return_future)
 
 
-def parse_successors(prefix: ExpertPrefix, value: object,
-                     grid_size: int | None = None) -> dict[Coordinate, tuple[ExpertUID, PeerID]]:
+def parse_successors(
+    prefix: ExpertPrefix, value: object, grid_size: int | None = None
+) -> dict[Coordinate, tuple[ExpertUID, PeerID]]:
     """The well-formed entries of a prefix's dictionary: {coordinate: (uid, peer id)}.
 
     An entry counts when its subkey is a coordinate in [0, grid_size) (or FLAT_EXPERT for a

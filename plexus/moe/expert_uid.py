@@ -45,14 +45,20 @@ def is_valid_uid(maybe_uid: object) -> bool:
 
     The whole string must match: `re.match` with `$` would accept "ffn.1\\n" (`$` matches before a
     final newline), and such a uid would be stored as a key no well-formed lookup reaches."""
-    return (isinstance(maybe_uid, str) and len(maybe_uid) <= MAX_UID_LENGTH
-            and bool(UID_PATTERN.fullmatch(maybe_uid)))
+    return (
+        isinstance(maybe_uid, str)
+        and len(maybe_uid) <= MAX_UID_LENGTH
+        and bool(UID_PATTERN.fullmatch(maybe_uid))
+    )
 
 
 def is_valid_prefix(maybe_prefix: object) -> bool:
     """Whether this is a well-formed prefix: a name, zero or more coordinates, a trailing delimiter."""
-    return (isinstance(maybe_prefix, str) and len(maybe_prefix) <= MAX_UID_LENGTH
-            and bool(PREFIX_PATTERN.fullmatch(maybe_prefix)))
+    return (
+        isinstance(maybe_prefix, str)
+        and len(maybe_prefix) <= MAX_UID_LENGTH
+        and bool(PREFIX_PATTERN.fullmatch(maybe_prefix))
+    )
 
 
 def split_uid(uid_or_prefix: str) -> tuple[ExpertPrefix, Coordinate]:
@@ -88,13 +94,17 @@ def parse_expert_pattern(pattern: str) -> tuple[str, list[range]]:
     """`ffn.[0:4].3` -> ("ffn", [range(0, 4), range(3, 4)]); ValueError says what is wrong."""
     name, *blocks = pattern.split(UID_DELIMITER)
     if not name or not blocks:
-        raise ValueError(f"expert pattern {pattern!r} needs a name and at least one coordinate, e.g. 'ffn.[0:4].[0:16]'")
+        raise ValueError(
+            f"expert pattern {pattern!r} needs a name and at least one coordinate, e.g. 'ffn.[0:4].[0:16]'"
+        )
     ranges = []
     for block in blocks:
         match = re.fullmatch(r"\[(\d*):(\d+)\]|(\d+)", block)
         if match is None:
-            raise ValueError(f"block {block!r} of expert pattern {pattern!r} is neither an integer nor a range "
-                             f"[start:end] with a finite end")
+            raise ValueError(
+                f"block {block!r} of expert pattern {pattern!r} is neither an integer nor a range "
+                f"[start:end] with a finite end"
+            )
         if match.group(3) is not None:
             ranges.append(range(int(match.group(3)), int(match.group(3)) + 1))
         else:
@@ -114,16 +124,19 @@ def expand_expert_pattern(pattern: str) -> list[ExpertUID]:
     name, ranges = parse_expert_pattern(pattern)
     total = math.prod(len(r) for r in ranges)
     if total > MAX_EXPANDED_UIDS:
-        raise ValueError(f"pattern {pattern!r} names {total} experts, more than {MAX_EXPANDED_UIDS}; "
-                         f"use sample_expert_uids to pick some of them")
+        raise ValueError(
+            f"pattern {pattern!r} names {total} experts, more than {MAX_EXPANDED_UIDS}; "
+            f"use sample_expert_uids to pick some of them"
+        )
     uids = [name]
     for r in ranges:
         uids = [f"{uid}{UID_DELIMITER}{i}" for uid in uids for i in r]
     return uids
 
 
-def sample_expert_uids(pattern: str, num_experts: int, *, rng: random.Random,
-                       exclude: frozenset[str] | set[str] = frozenset()) -> list[ExpertUID]:
+def sample_expert_uids(
+    pattern: str, num_experts: int, *, rng: random.Random, exclude: frozenset[str] | set[str] = frozenset()
+) -> list[ExpertUID]:
     """Pick `num_experts` distinct uids of the pattern's grid uniformly, skipping those in `exclude`.
 
     Raises ValueError when the grid has fewer free uids than asked for.

@@ -84,9 +84,14 @@ class ExpertSchema(Message):
         """hivemind's `RemoteExpert.info` keys, plus Plexus's own."""
         kwargs = dict(zip(self.kwargs_names, self.kwargs_schema))
         outputs = self.outputs_schema if self.outputs_tuple else self.outputs_schema[0]
-        return {"forward_schema": (self.args_schema, kwargs), "outputs_schema": outputs,
-                "keyword_names": self.kwargs_names, "args_schema": self.args_schema, "kwargs_schema": kwargs,
-                "max_batch_size": self.max_batch_size}
+        return {
+            "forward_schema": (self.args_schema, kwargs),
+            "outputs_schema": outputs,
+            "keyword_names": self.kwargs_names,
+            "args_schema": self.args_schema,
+            "kwargs_schema": kwargs,
+            "max_batch_size": self.max_batch_size,
+        }
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,9 @@ class ExpertResponse(Message):
     tensors: list[bytes]
 
 
-def serialize_tensors(tensors: Iterable[torch.Tensor], schema: Iterable[BatchTensorDescriptor]) -> list[SerializedTensor]:
+def serialize_tensors(
+    tensors: Iterable[torch.Tensor], schema: Iterable[BatchTensorDescriptor]
+) -> list[SerializedTensor]:
     """Each tensor with its descriptor's compression (lossy methods apply to floating tensors only)."""
     result = []
     for tensor, descriptor in zip(tensors, schema, strict=True):
@@ -119,7 +126,9 @@ def unary_message(serialized: list[SerializedTensor]) -> list[bytes]:
     return [s.to_bytes() for s in serialized]
 
 
-def stream_messages(serialized: list[SerializedTensor], chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator[list[bytes]]:
+def stream_messages(
+    serialized: list[SerializedTensor], chunk_bytes: int = STREAM_CHUNK_BYTES
+) -> Iterator[list[bytes]]:
     """The tensors as lists of chunk bytes, each list holding at most about `chunk_bytes` of data."""
     batch, size = [], 0
     for tensor in serialized:

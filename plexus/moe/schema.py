@@ -31,9 +31,14 @@ class BatchTensorDescriptor(Message):
     requires_grad: bool = False
     compression: int = CompressionType.NONE
 
-    def __init__(self, *sizes, shape: Sequence[int | None] | None = None,
-                 dtype: str | torch.dtype = "float32", requires_grad: bool = False,
-                 compression: int = CompressionType.NONE):
+    def __init__(
+        self,
+        *sizes,
+        shape: Sequence[int | None] | None = None,
+        dtype: str | torch.dtype = "float32",
+        requires_grad: bool = False,
+        compression: int = CompressionType.NONE,
+    ):
         """`BatchTensorDescriptor((16, 4))` or, as in hivemind, `BatchTensorDescriptor(16, 4)`: the
         sizes after the batch dimension. `dtype` is a wire name ("float32") or a torch dtype."""
         if shape is None:
@@ -44,8 +49,12 @@ class BatchTensorDescriptor(Message):
             if dtype not in DTYPE_NAMES:
                 raise ValueError(f"tensors of dtype {dtype} cannot travel to an expert")
             dtype = DTYPE_NAMES[dtype]
-        for name, value in (("shape", tuple(shape)), ("dtype", dtype), ("requires_grad", requires_grad),
-                            ("compression", compression)):
+        for name, value in (
+            ("shape", tuple(shape)),
+            ("dtype", dtype),
+            ("requires_grad", requires_grad),
+            ("compression", compression),
+        ):
             object.__setattr__(self, name, value)
         self.__post_init__()
 
@@ -61,8 +70,9 @@ class BatchTensorDescriptor(Message):
         object.__setattr__(self, "compression", CompressionType(self.compression))
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, compression: int = CompressionType.NONE,
-                    requires_grad: bool | None = None) -> "BatchTensorDescriptor":
+    def from_tensor(
+        cls, tensor: torch.Tensor, compression: int = CompressionType.NONE, requires_grad: bool | None = None
+    ) -> "BatchTensorDescriptor":
         """Describe a sample batch; floating tensors require grad unless told otherwise, and only
         they are compressed."""
         if tensor.dim() == 0:
@@ -73,9 +83,15 @@ class BatchTensorDescriptor(Message):
         if requires_grad is None:
             requires_grad = dtype in FLOATING_DTYPES
         if dtype not in FLOATING_DTYPES:
-            compression = CompressionType.NONE  # lossy methods are for floats; masks and ids travel as they are
-        return cls(shape=tuple(tensor.shape[1:]), dtype=dtype, requires_grad=requires_grad,
-                   compression=CompressionType(compression))
+            compression = (
+                CompressionType.NONE
+            )  # lossy methods are for floats; masks and ids travel as they are
+        return cls(
+            shape=tuple(tensor.shape[1:]),
+            dtype=dtype,
+            requires_grad=requires_grad,
+            compression=CompressionType(compression),
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -91,13 +107,19 @@ class BatchTensorDescriptor(Message):
         if dtype != self.dtype:
             return f"dtype {dtype}, expected {self.dtype}"
         if len(shape) != len(self.shape) + 1 or any(
-                want is not None and got != want for got, want in zip(shape[1:], self.shape)):
+            want is not None and got != want for got, want in zip(shape[1:], self.shape)
+        ):
             expected = ", ".join("*" if d is None else str(d) for d in self.shape)
-            return f"shape {tuple(shape)}, expected (batch, {expected})" if self.shape else \
-                f"shape {tuple(shape)}, expected (batch,)"
+            return (
+                f"shape {tuple(shape)}, expected (batch, {expected})"
+                if self.shape
+                else f"shape {tuple(shape)}, expected (batch,)"
+            )
         return None
 
     def __repr__(self) -> str:
         shape = ", ".join("*" if d is None else str(d) for d in self.shape)
-        return (f"BatchTensorDescriptor((batch, {shape}), {self.dtype}"
-                f"{', requires_grad' if self.requires_grad else ''}, {self.compression.name})")
+        return (
+            f"BatchTensorDescriptor((batch, {shape}), {self.dtype}"
+            f"{', requires_grad' if self.requires_grad else ''}, {self.compression.name})"
+        )

@@ -8,5 +8,13 @@ from .progress_tracker import ProgressTracker
 from .state_averager import TrainingStateAverager
 from .training_averager import TrainingAverager
 
-__all__ = ["GradScaler", "GradientAverager", "GradientAveragerFactory", "Optimizer", "PowerSGDGradientAverager",
-           "ProgressTracker", "TrainingAverager", "TrainingStateAverager"]
+__all__ = [
+    "GradScaler",
+    "GradientAverager",
+    "GradientAveragerFactory",
+    "Optimizer",
+    "PowerSGDGradientAverager",
+    "ProgressTracker",
+    "TrainingAverager",
+    "TrainingStateAverager",
+]

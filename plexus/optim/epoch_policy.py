@@ -52,8 +52,10 @@ def state_weight(epoch: int, gathered: Mapping[Any, Any], weight: float) -> floa
     """A state round's weight for this group: 0 unless every member is at `epoch` and they do not
     all hold the same state (members gather [epoch, digest])."""
     epochs = {_epoch_of(value) for value in gathered.values()}
-    digests = {value[1] if isinstance(value, (list, tuple)) and len(value) == 2 else None
-               for value in gathered.values()}
+    digests = {
+        value[1] if isinstance(value, (list, tuple)) and len(value) == 2 else None
+        for value in gathered.values()
+    }
     if epochs != {epoch} or (len(digests) == 1 and None not in digests):
         return 0.0
     return weight
@@ -74,8 +76,9 @@ def after_gradient_round(epoch: int, gathered: Mapping[Any, Any] | None, swarm_m
     return EpochAction.LOAD_STATE if swarm_moved_on else EpochAction.STEP_LOCAL
 
 
-def should_load_state(local_epoch: int, swarm_epoch: int, *, must_load: bool, now: float,
-                      next_attempt: float) -> bool:
+def should_load_state(
+    local_epoch: int, swarm_epoch: int, *, must_load: bool, now: float, next_attempt: float
+) -> bool:
     """Behind the swarm (or told so by a round): download the state; a download that left the peer
     behind (no up-to-date donor yet) is retried only from `next_attempt` on."""
     return must_load or (local_epoch < swarm_epoch and now >= next_attempt)

@@ -65,17 +65,27 @@ class GradientAverager(DecentralizedAverager):
         **averager_kwargs: to DecentralizedAverager (start, target_group_size, compression, ...).
     """
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], *, dht: DHT, prefix: str,
-                 reuse_grad_buffers: bool = False, accumulate_grads_on: torch.device | None = None,
-                 client_mode: bool | None = None, warn: bool = True,
-                 averaged_grads: Sequence[torch.Tensor] = (), **averager_kwargs):
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        *,
+        dht: DHT,
+        prefix: str,
+        reuse_grad_buffers: bool = False,
+        accumulate_grads_on: torch.device | None = None,
+        client_mode: bool | None = None,
+        warn: bool = True,
+        averaged_grads: Sequence[torch.Tensor] = (),
+        **averager_kwargs,
+    ):
         self.parameters = tuple(parameters)
         if not self.parameters:
             raise ValueError("GradientAverager needs at least one parameter")
         self.reuse_grad_buffers, self.warn = reuse_grad_buffers, warn
         if reuse_grad_buffers and accumulate_grads_on is not None:
-            logger.warning("accumulate_grads_on is ignored with reuse_grad_buffers=True: "
-                           "the .grad buffers accumulate")
+            logger.warning(
+                "accumulate_grads_on is ignored with reuse_grad_buffers=True: the .grad buffers accumulate"
+            )
         if reuse_grad_buffers:
             for param in self.parameters:
                 if param.grad is None:
@@ -84,7 +94,8 @@ class GradientAverager(DecentralizedAverager):
         else:
             self._accumulators = [
                 torch.zeros(param.shape, dtype=torch.float32, device=accumulate_grads_on or param.device)
-                for param in self.parameters]
+                for param in self.parameters
+            ]
         self._samples, self._times, self._steps = 0, 0, 0.0
         self._anchor_batch_size: int | None = None
         self._accumulators_used_in_step = False
@@ -94,20 +105,32 @@ class GradientAverager(DecentralizedAverager):
         if averaged_grads:
             self._check_averaged_grads(averaged_grads)
         buffers = averaged_grads or [torch.zeros(param.shape, dtype=param.dtype) for param in self.parameters]
-        infos = [CompressionInfo.from_tensor(buffer, key=index, role=TensorRole.GRADIENT)
-                 for index, buffer in enumerate(buffers)]
-        super().__init__(buffers, dht, prefix=prefix, client_mode=client_mode, tensor_infos=infos, **averager_kwargs)
+        infos = [
+            CompressionInfo.from_tensor(buffer, key=index, role=TensorRole.GRADIENT)
+            for index, buffer in enumerate(buffers)
+        ]
+        super().__init__(
+            buffers, dht, prefix=prefix, client_mode=client_mode, tensor_infos=infos, **averager_kwargs
+        )
 
     def _check_averaged_grads(self, averaged_grads: list[torch.Tensor]) -> None:
         if len(averaged_grads) != len(self.parameters):
-            raise ValueError(f"averaged_grads has {len(averaged_grads)} tensors for "
-                             f"{len(self.parameters)} parameters")
+            raise ValueError(
+                f"averaged_grads has {len(averaged_grads)} tensors for {len(self.parameters)} parameters"
+            )
         for index, (buffer, param) in enumerate(zip(averaged_grads, self.parameters)):
-            if buffer.shape != param.shape or buffer.device.type != "cpu" or not buffer.is_contiguous() \
-                    or not buffer.is_floating_point() or buffer.requires_grad:
-                raise ValueError(f"averaged_grads[{index}] must be a contiguous floating CPU tensor of shape "
-                                 f"{tuple(param.shape)}, got {buffer.dtype} {tuple(buffer.shape)} "
-                                 f"on {buffer.device}")
+            if (
+                buffer.shape != param.shape
+                or buffer.device.type != "cpu"
+                or not buffer.is_contiguous()
+                or not buffer.is_floating_point()
+                or buffer.requires_grad
+            ):
+                raise ValueError(
+                    f"averaged_grads[{index}] must be a contiguous floating CPU tensor of shape "
+                    f"{tuple(param.shape)}, got {buffer.dtype} {tuple(buffer.shape)} "
+                    f"on {buffer.device}"
+                )
 
     # --- accumulation (training thread) ----------------------------------------------------------
 
@@ -130,9 +153,11 @@ class GradientAverager(DecentralizedAverager):
         if not batch_size > 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if self._accumulators_used_in_step and self.warn:
-            logger.warning("accumulating gradients on top of those already sent to an averaging round "
-                           "(step(reset_accumulators=False)); call reset_accumulated_grads_() first "
-                           "if unintended")
+            logger.warning(
+                "accumulating gradients on top of those already sent to an averaging round "
+                "(step(reset_accumulators=False)); call reset_accumulated_grads_() first "
+                "if unintended"
+            )
             self._accumulators_used_in_step = False  # warn once per round
         if self._anchor_batch_size is None:
             self._anchor_batch_size = batch_size
@@ -150,8 +175,10 @@ class GradientAverager(DecentralizedAverager):
     def load_accumulators_into_averager_(self) -> None:
         """Write this peer's mean gradient per sample (accumulators / steps) into the averaged grads."""
         if self._new_averaged_grads and self.warn:
-            logger.warning("overwriting averaged gradients that were never used; call "
-                           "use_averaged_gradients() or notify_used_averaged_gradients() after each round")
+            logger.warning(
+                "overwriting averaged gradients that were never used; call "
+                "use_averaged_gradients() or notify_used_averaged_gradients() after each round"
+            )
         sources = self._grads() if self.reuse_grad_buffers else self._accumulators
         steps = self._times if self.reuse_grad_buffers else self._steps
         with self.get_tensors() as averaged:
@@ -159,13 +186,16 @@ class GradientAverager(DecentralizedAverager):
                 if source is None or steps == 0:
                     target.zero_()
                 else:
-                    target.copy_(source.to(torch.float32).div_(steps) if source.dtype != torch.float32
-                                 else source / steps)
+                    target.copy_(
+                        source.to(torch.float32).div_(steps)
+                        if source.dtype != torch.float32
+                        else source / steps
+                    )
 
     @torch.no_grad()
     def reset_accumulated_grads_(self) -> None:
         """Zero the accumulators (the `.grad` buffers with reuse_grad_buffers) and the counters."""
-        for buffer in (self._grads() if self.reuse_grad_buffers else self._accumulators):
+        for buffer in self._grads() if self.reuse_grad_buffers else self._accumulators:
             if buffer is not None:
                 buffer.zero_()
         self._samples, self._times, self._steps = 0, 0, 0.0
@@ -180,8 +210,15 @@ class GradientAverager(DecentralizedAverager):
         kwargs go to DecentralizedAverager.step (timeout, gather, allow_retries, ...)."""
         return super().step(scheduled_time=scheduled_time, wait=False, require_trigger=True, **kwargs)
 
-    def step(self, weight: float | None = None, reset_accumulators: bool = True,
-             control: StepControl | None = None, timeout: float | None = None, wait: bool = True, **kwargs):
+    def step(
+        self,
+        weight: float | None = None,
+        reset_accumulators: bool = True,
+        control: StepControl | None = None,
+        timeout: float | None = None,
+        wait: bool = True,
+        **kwargs,
+    ):
         """Average the accumulated gradients with a group; the result lands in the averaged grads.
 
         Args:
@@ -249,8 +286,10 @@ class GradientAverager(DecentralizedAverager):
                     param.grad = old
 
     def __repr__(self) -> str:
-        return (f"<{type(self).__name__} {self.prefix} {self.mode.name} peer={self.dht.peer_id.short()} "
-                f"samples={self._samples} times={self._times}>")
+        return (
+            f"<{type(self).__name__} {self.prefix} {self.mode.name} peer={self.dht.peer_id.short()} "
+            f"samples={self._samples} times={self._times}>"
+        )
 
 
 GradientAveragerFactory = Callable[..., GradientAverager]

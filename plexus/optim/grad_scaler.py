@@ -77,11 +77,17 @@ class GradScaler(torch.amp.GradScaler):
         with self._lock:
             if use_cached and id(optimizer) in self._finite:
                 return self._finite[id(optimizer)]
-            grads = [param.grad for group in optimizer.param_groups for param in group["params"]
-                     if param.grad is not None]
+            grads = [
+                param.grad
+                for group in optimizer.param_groups
+                for param in group["params"]
+                if param.grad is not None
+            ]
             grads = [grad.coalesce()._values() if grad.is_sparse else grad for grad in grads]
-            finite = all(bool(torch.stack([torch.isfinite(g).all() for g in same_device]).all())
-                         for same_device in _by_device(grads).values())
+            finite = all(
+                bool(torch.stack([torch.isfinite(g).all() for g in same_device]).all())
+                for same_device in _by_device(grads).values()
+            )
             self._finite[id(optimizer)] = finite
             if not finite:
                 self._infs_between_steps = True
@@ -95,8 +101,10 @@ class GradScaler(torch.amp.GradScaler):
         with self._lock:
             if self._running_global_step:
                 if self._global_found_inf is not None:
-                    raise RuntimeError("unscale_() was already called during this global step: gradients "
-                                       "are unscaled once per global step (until update())")
+                    raise RuntimeError(
+                        "unscale_() was already called during this global step: gradients "
+                        "are unscaled once per global step (until update())"
+                    )
                 super().unscale_(optimizer)
                 self._global_found_inf = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
                 return True
@@ -120,9 +128,11 @@ class GradScaler(torch.amp.GradScaler):
                 self._stepped_globally = True
                 return result
             if not _takes_grad_scaler(optimizer):
-                raise TypeError(f"plexus.GradScaler steps a plexus.Optimizer (whose step takes "
-                                f"grad_scaler=), got {type(optimizer).__name__}; for purely local "
-                                f"training use torch.amp.GradScaler")
+                raise TypeError(
+                    f"plexus.GradScaler steps a plexus.Optimizer (whose step takes "
+                    f"grad_scaler=), got {type(optimizer).__name__}; for purely local "
+                    f"training use torch.amp.GradScaler"
+                )
             self._check_scale_growth_tracker("step")
             if id(optimizer) not in self._finite:
                 self.are_grads_finite(optimizer)
@@ -142,8 +152,9 @@ class GradScaler(torch.amp.GradScaler):
                     scale, growth_tracker = self._check_scale_growth_tracker("update")
                     scale.mul_(self._backoff_factor)
                     growth_tracker.fill_(0)
-                    logger.debug(f"non-finite gradients between global steps: loss scale backs off "
-                                 f"to {scale.item()}")
+                    logger.debug(
+                        f"non-finite gradients between global steps: loss scale backs off to {scale.item()}"
+                    )
                 return False
             finally:
                 self._stepped_globally = self._infs_between_steps = False

@@ -96,30 +96,65 @@ class Optimizer(torch.optim.Optimizer):
     plain means).
     """
 
-    def __init__(self, *, dht: DHT, run_id: str, target_batch_size: int, batch_size_per_step: int | None = None,
-                 optimizer, params: Iterable | None = None, scheduler=None, matchmaking_time: float = 15.0,
-                 averaging_timeout: float = 60.0, allreduce_timeout: float | None = None,
-                 next_chunk_timeout: float | None = None, load_state_timeout: float = 600.0,
-                 reuse_grad_buffers: bool = False, offload_optimizer: bool | None = None,
-                 delay_optimizer_step: bool | None = None, delay_grad_averaging: bool = False,
-                 delay_state_averaging: bool = True, average_state_every: int = 1, use_local_updates: bool = False,
-                 client_mode: bool | None = None, auxiliary: bool = False,
-                 grad_compression: CompressionBase = NoCompression(),
-                 state_averaging_compression: CompressionBase = NoCompression(),
-                 load_state_compression: CompressionBase = NoCompression(),
-                 average_opt_statistics: Sequence[str] = (), extra_tensors: Sequence[torch.Tensor] = (),
-                 averager_opts: dict | None = None, tracker_opts: dict | None = None,
-                 grad_averager_factory: GradientAveragerFactory | None = None,
-                 performance_ema_alpha: float = 0.1, shutdown_timeout: float = 5, verbose: bool = False,
-                 robust_aggregation: RobustAggregation | None = None):
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        target_batch_size: int,
+        batch_size_per_step: int | None = None,
+        optimizer,
+        params: Iterable | None = None,
+        scheduler=None,
+        matchmaking_time: float = 15.0,
+        averaging_timeout: float = 60.0,
+        allreduce_timeout: float | None = None,
+        next_chunk_timeout: float | None = None,
+        load_state_timeout: float = 600.0,
+        reuse_grad_buffers: bool = False,
+        offload_optimizer: bool | None = None,
+        delay_optimizer_step: bool | None = None,
+        delay_grad_averaging: bool = False,
+        delay_state_averaging: bool = True,
+        average_state_every: int = 1,
+        use_local_updates: bool = False,
+        client_mode: bool | None = None,
+        auxiliary: bool = False,
+        grad_compression: CompressionBase = NoCompression(),
+        state_averaging_compression: CompressionBase = NoCompression(),
+        load_state_compression: CompressionBase = NoCompression(),
+        average_opt_statistics: Sequence[str] = (),
+        extra_tensors: Sequence[torch.Tensor] = (),
+        averager_opts: dict | None = None,
+        tracker_opts: dict | None = None,
+        grad_averager_factory: GradientAveragerFactory | None = None,
+        performance_ema_alpha: float = 0.1,
+        shutdown_timeout: float = 5,
+        verbose: bool = False,
+        robust_aggregation: RobustAggregation | None = None,
+    ):
         client_mode = dht.client_mode if client_mode is None else client_mode
         delay_optimizer_step = delay_grad_averaging if delay_optimizer_step is None else delay_optimizer_step
         if offload_optimizer is None:
             offload_optimizer = params is not None and not use_local_updates
-        _check_options(client_mode, auxiliary, offload_optimizer, delay_optimizer_step, delay_grad_averaging,
-                       use_local_updates, reuse_grad_buffers, average_state_every, params, optimizer)
+        _check_options(
+            client_mode,
+            auxiliary,
+            offload_optimizer,
+            delay_optimizer_step,
+            delay_grad_averaging,
+            use_local_updates,
+            reuse_grad_buffers,
+            average_state_every,
+            params,
+            optimizer,
+        )
         self.dht, self.run_id, self.target_batch_size = dht, run_id, target_batch_size
-        self.batch_size_per_step, self.client_mode, self.auxiliary = batch_size_per_step, client_mode, auxiliary
+        self.batch_size_per_step, self.client_mode, self.auxiliary = (
+            batch_size_per_step,
+            client_mode,
+            auxiliary,
+        )
         self.matchmaking_time, self.averaging_timeout = matchmaking_time, averaging_timeout
         self.load_state_timeout, self.shutdown_timeout = load_state_timeout, shutdown_timeout
         self.reuse_grad_buffers, self.offload_optimizer = reuse_grad_buffers, offload_optimizer
@@ -128,19 +163,34 @@ class Optimizer(torch.optim.Optimizer):
         self.use_local_updates = use_local_updates
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
         averager_opts = dict(averager_opts or {})
-        round_opts = dict(min_matchmaking_time=matchmaking_time, client_mode=client_mode, start=True,
-                          robust=robust_aggregation,
-                          allreduce_timeout=averaging_timeout if allreduce_timeout is None else allreduce_timeout,
-                          next_chunk_timeout=matchmaking_time if next_chunk_timeout is None else next_chunk_timeout,
-                          **averager_opts)
+        round_opts = dict(
+            min_matchmaking_time=matchmaking_time,
+            client_mode=client_mode,
+            start=True,
+            robust=robust_aggregation,
+            allreduce_timeout=averaging_timeout if allreduce_timeout is None else allreduce_timeout,
+            next_chunk_timeout=matchmaking_time if next_chunk_timeout is None else next_chunk_timeout,
+            **averager_opts,
+        )
 
         self.state_averager = TrainingStateAverager(
-            dht=dht, prefix=f"{run_id}_state_averager", optimizer=optimizer, params=params, scheduler=scheduler,
-            offload_optimizer=offload_optimizer, custom_gradients=offload_optimizer,
-            delta_rule_averaging=use_local_updates and delay_state_averaging, auxiliary=auxiliary,
-            compression=state_averaging_compression, state_compression=load_state_compression,
-            average_opt_statistics=average_opt_statistics, extra_tensors=extra_tensors,
-            performance_ema_alpha=performance_ema_alpha, status_loglevel=self.status_loglevel, **round_opts)
+            dht=dht,
+            prefix=f"{run_id}_state_averager",
+            optimizer=optimizer,
+            params=params,
+            scheduler=scheduler,
+            offload_optimizer=offload_optimizer,
+            custom_gradients=offload_optimizer,
+            delta_rule_averaging=use_local_updates and delay_state_averaging,
+            auxiliary=auxiliary,
+            compression=state_averaging_compression,
+            state_compression=load_state_compression,
+            average_opt_statistics=average_opt_statistics,
+            extra_tensors=extra_tensors,
+            performance_ema_alpha=performance_ema_alpha,
+            status_loglevel=self.status_loglevel,
+            **round_opts,
+        )
         self.grad_averager: GradientAverager | None = None
         if not use_local_updates:
             averaged_grads = ()
@@ -151,14 +201,29 @@ class Optimizer(torch.optim.Optimizer):
                         copy.grad = torch.zeros_like(copy)
                 averaged_grads = tuple(copy.grad for copy in copies)
             self.grad_averager = (grad_averager_factory or GradientAverager)(
-                self.state_averager.main_parameters, dht=dht, prefix=f"{run_id}_grad_averager",
-                reuse_grad_buffers=reuse_grad_buffers, averaged_grads=averaged_grads, auxiliary=auxiliary,
-                compression=grad_compression, weight_limits=self._gradient_weight_limits, **round_opts)
+                self.state_averager.main_parameters,
+                dht=dht,
+                prefix=f"{run_id}_grad_averager",
+                reuse_grad_buffers=reuse_grad_buffers,
+                averaged_grads=averaged_grads,
+                auxiliary=auxiliary,
+                compression=grad_compression,
+                weight_limits=self._gradient_weight_limits,
+                **round_opts,
+            )
         # a peer's claim to be ahead of the swarm is checked against the state it serves (state_prefix)
         self.tracker = ProgressTracker(
-            dht, run_id, target_batch_size, client_mode=client_mode, performance_ema_alpha=performance_ema_alpha,
-            **{"status_loglevel": self.status_loglevel, "state_prefix": self.state_averager.prefix,
-               **(tracker_opts or {})})
+            dht,
+            run_id,
+            target_batch_size,
+            client_mode=client_mode,
+            performance_ema_alpha=performance_ema_alpha,
+            **{
+                "status_loglevel": self.status_loglevel,
+                "state_prefix": self.state_averager.prefix,
+                **(tracker_opts or {}),
+            },
+        )
         self._gradient_epoch = 0  # the epoch of the last gradient round scheduled (weights: its samples)
         self._scheduled_grads: StepControl | None = None  # this epoch's pre-scheduled gradient round
         self._scheduled_state: tuple[int, StepControl] | None = None  # local updates: (epoch, state round)
@@ -189,7 +254,9 @@ class Optimizer(torch.optim.Optimizer):
         groups, start = [], 0
         for group in self.state_averager.optimizer.param_groups:
             count = len(group["params"])
-            groups.append(dict(group, params=list(self.state_averager.main_parameters[start:start + count])))
+            groups.append(
+                dict(group, params=list(self.state_averager.main_parameters[start : start + count]))
+            )
             start += count
         return groups
 
@@ -231,8 +298,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.reuse_grad_buffers:
-            raise ValueError("with reuse_grad_buffers=True the gradient buffers accumulate between epochs; "
-                             "plexus.Optimizer zeroes them itself, so do not call zero_grad()")
+            raise ValueError(
+                "with reuse_grad_buffers=True the gradient buffers accumulate between epochs; "
+                "plexus.Optimizer zeroes them itself, so do not call zero_grad()"
+            )
         for param in self.state_averager.main_parameters:
             if param.grad is not None:
                 if set_to_none:
@@ -253,13 +322,21 @@ class Optimizer(torch.optim.Optimizer):
 
     # --- the step ----------------------------------------------------------------------------------
 
-    def step(self, closure: Callable[[], Any] | None = None, batch_size: int | None = None,
-             grad_scaler: GradScaler | None = None):
+    def step(
+        self,
+        closure: Callable[[], Any] | None = None,
+        batch_size: int | None = None,
+        grad_scaler: GradScaler | None = None,
+    ):
         """Accumulate this batch's gradients; take the global step when the swarm is ready."""
         if grad_scaler is not None and not isinstance(grad_scaler, GradScaler):
-            raise ValueError("use plexus.GradScaler with plexus.Optimizer: torch's scaler would step every batch")
+            raise ValueError(
+                "use plexus.GradScaler with plexus.Optimizer: torch's scaler would step every batch"
+            )
         if grad_scaler is not None and not self.reuse_grad_buffers:
-            raise ValueError("plexus.GradScaler needs reuse_grad_buffers=True (gradients stay scaled in .grad)")
+            raise ValueError(
+                "plexus.GradScaler needs reuse_grad_buffers=True (gradients stay scaled in .grad)"
+            )
         if self.auxiliary and (closure is not None or batch_size is not None):
             raise ValueError("an auxiliary peer takes no batches: call step() without closure or batch_size")
         batch_size = self.batch_size_per_step if batch_size is None else batch_size
@@ -285,13 +362,17 @@ class Optimizer(torch.optim.Optimizer):
             return loss
 
         if self.use_local_updates:
-            self.state_averager.step(apply_delayed_updates=True, optimizer_step=True, zero_grad=False,
-                                     delay_optimizer_step=False)
+            self.state_averager.step(
+                apply_delayed_updates=True, optimizer_step=True, zero_grad=False, delay_optimizer_step=False
+            )
             self._samples_contributed += batch_size
             self._report(self.tracker.local_progress.samples_accumulated + batch_size)
         elif not self.auxiliary:
             if grad_scaler is not None and not grad_scaler.are_grads_finite(self, use_cached=True):
-                logger.log(self.status_loglevel, "Non-finite gradients: this batch and the accumulated ones are dropped")
+                logger.log(
+                    self.status_loglevel,
+                    "Non-finite gradients: this batch and the accumulated ones are dropped",
+                )
                 self.nonfinite_batches += 1
                 self.grad_averager.reset_accumulated_grads_()
                 self._report(0)
@@ -322,8 +403,10 @@ class Optimizer(torch.optim.Optimizer):
         else:
             for param in self.state_averager.main_parameters:
                 param.grad = None  # a local optimizer step must not see them either
-        _dropped_batches.warning(("nonfinite gradients",), f"Non-finite local gradients (NaN or inf): {lost} "
-                                                           "dropped, nothing of it reaches the swarm")
+        _dropped_batches.warning(
+            ("nonfinite gradients",),
+            f"Non-finite local gradients (NaN or inf): {lost} dropped, nothing of it reaches the swarm",
+        )
 
     def _gradient_weight_limits(self, peer_ids) -> dict[PeerID, float]:
         """A member of this epoch's gradient round weighs at most twice the samples its progress
@@ -359,9 +442,13 @@ class Optimizer(torch.optim.Optimizer):
         tracker's estimate never falls below our own epoch), so any peer at a newer epoch means
         the swarm stepped without us. A load that left us behind (no donor yet, or a dead peer's
         record) is retried only after `max_refresh_period`, not at every batch."""
-        return should_load_state(self.local_epoch, self.tracker.global_progress.epoch,
-                                 must_load=self._must_load_state, now=time.monotonic(),
-                                 next_attempt=self._next_load_attempt)
+        return should_load_state(
+            self.local_epoch,
+            self.tracker.global_progress.epoch,
+            must_load=self._must_load_state,
+            now=time.monotonic(),
+            next_attempt=self._next_load_attempt,
+        )
 
     def _follow_swarm_epoch(self) -> None:
         """An auxiliary peer holds no model of its own to fix: it just moves to the swarm's epoch."""
@@ -375,10 +462,15 @@ class Optimizer(torch.optim.Optimizer):
     def _maybe_schedule_gradient_averaging(self) -> None:
         progress = self.tracker.global_progress
         eta = self.tracker.estimated_next_update_time - get_dht_time()
-        if progress.num_peers > 1 and eta <= self.matchmaking_time and _idle(self._scheduled_grads) \
-                and _idle(self._triggered_grads):  # one round at a time (delayed rounds run on)
+        if (
+            progress.num_peers > 1
+            and eta <= self.matchmaking_time
+            and _idle(self._scheduled_grads)
+            and _idle(self._triggered_grads)
+        ):  # one round at a time (delayed rounds run on)
             self._scheduled_grads = self._schedule_gradient_round(
-                max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1))
+                max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1)
+            )
 
     def _maybe_schedule_state_averaging(self) -> None:
         """With local updates the state round is the swarm's only round: as for gradient rounds, its
@@ -388,19 +480,31 @@ class Optimizer(torch.optim.Optimizer):
         progress = self.tracker.global_progress
         next_epoch = self.local_epoch + 1
         eta = self.tracker.estimated_next_update_time - get_dht_time()
-        if progress.num_peers > 1 and eta <= self.matchmaking_time and self._scheduled_state is None \
-                and next_epoch % self.average_state_every == 0 and not self.state_averager.averaging_in_progress:
+        if (
+            progress.num_peers > 1
+            and eta <= self.matchmaking_time
+            and self._scheduled_state is None
+            and next_epoch % self.average_state_every == 0
+            and not self.state_averager.averaging_in_progress
+        ):
             control = self.state_averager.schedule_step(
                 max(self.tracker.estimated_next_update_time, get_dht_time() + 0.1),
-                gather=[next_epoch, None], **self._state_round_options(next_epoch))
+                gather=[next_epoch, None],
+                **self._state_round_options(next_epoch),
+            )
             self._scheduled_state = (next_epoch, control)
 
     def _state_round_options(self, epoch: int) -> dict:
         """A state round for `epoch`: it meets only rounds for the same epoch, takes complete results
         only, weighs by `epoch_policy.state_weight`, and ends when nobody else is looking."""
-        return dict(timeout=self.averaging_timeout, expected_group_size=self._expected_group_size(),
-                    accept_partial=False, weight_for_group=functools.partial(state_weight, epoch),
-                    round_tag=f"epoch {epoch}".encode(), alone_timeout=self.state_averager.request_timeout)
+        return dict(
+            timeout=self.averaging_timeout,
+            expected_group_size=self._expected_group_size(),
+            accept_partial=False,
+            weight_for_group=functools.partial(state_weight, epoch),
+            round_tag=f"epoch {epoch}".encode(),
+            alone_timeout=self.state_averager.request_timeout,
+        )
 
     def _schedule_gradient_round(self, scheduled_time: float | None = None) -> StepControl:
         """Matchmaking for this epoch's gradients. Members gather their epoch; a peer that finds a
@@ -410,11 +514,14 @@ class Optimizer(torch.optim.Optimizer):
         and a round that finds nobody else looking one request_timeout after its scheduled time (a
         declaration may still be landing) ends then, rather than at its deadline."""
         epoch = self._gradient_epoch = self.local_epoch
-        control = self.grad_averager.schedule_step(scheduled_time, timeout=self.averaging_timeout,
-                                                   gather=None if self.auxiliary else epoch,
-                                                   expected_group_size=self._expected_group_size(),
-                                                   accept_partial=False,
-                                                   alone_timeout=self.grad_averager.request_timeout)
+        control = self.grad_averager.schedule_step(
+            scheduled_time,
+            timeout=self.averaging_timeout,
+            gather=None if self.auxiliary else epoch,
+            expected_group_size=self._expected_group_size(),
+            accept_partial=False,
+            alone_timeout=self.grad_averager.request_timeout,
+        )
         control.weight_for_group = functools.partial(gradient_weight, epoch)
         return control
 
@@ -461,8 +568,11 @@ class Optimizer(torch.optim.Optimizer):
             if not behind:
                 self._step_state(swarm_has_peers, wait_for_trigger, grad_scaler)
         if behind:
-            logger.log(self.status_loglevel, "Peers averaged gradients for a newer epoch: this peer is behind "
-                                             "and downloads the state instead of stepping")
+            logger.log(
+                self.status_loglevel,
+                "Peers averaged gradients for a newer epoch: this peer is behind "
+                "and downloads the state instead of stepping",
+            )
             self.load_state_from_peers()
             return
         self._log_transition()
@@ -472,24 +582,34 @@ class Optimizer(torch.optim.Optimizer):
         # a state round of an earlier epoch that has not even found its group is of no use now, and
         # the optimizer step would wait for it (up to averaging_timeout, e.g. for a peer that died)
         self.state_averager.cancel_unstarted_rounds()
-        average_state = (swarm_has_peers and next_epoch % self.average_state_every == 0
-                         and not self.state_averager.averaging_in_progress)
+        average_state = (
+            swarm_has_peers
+            and next_epoch % self.average_state_every == 0
+            and not self.state_averager.averaging_in_progress
+        )
         scheduled, self._scheduled_state = self._scheduled_state, None
         control = scheduled[1] if scheduled is not None else None
         if control is not None and not (average_state and scheduled[0] == next_epoch and not control.done()):
             self._release(control)
             control = None
         output = self.state_averager.step(
-            increment_epoch=True, wait_for_trigger=wait_for_trigger,
+            increment_epoch=True,
+            wait_for_trigger=wait_for_trigger,
             optimizer_step=not self.auxiliary and not self.use_local_updates,
             zero_grad=self.reuse_grad_buffers and not self.offload_optimizer,
-            delay_optimizer_step=self.delay_optimizer_step, averaging_round=average_state,
-            delay_averaging=self.delay_state_averaging or self.delay_optimizer_step,  # auxiliary too: it only helps
+            delay_optimizer_step=self.delay_optimizer_step,
+            averaging_round=average_state,
+            delay_averaging=self.delay_state_averaging
+            or self.delay_optimizer_step,  # auxiliary too: it only helps
             averaging_control=control,
-            averaging_opts=dict(gather=functools.partial(_epoch_and_digest, next_epoch),
-                                **self._state_round_options(next_epoch))
-            if average_state and control is None else None,
-            grad_scaler=grad_scaler)
+            averaging_opts=dict(
+                gather=functools.partial(_epoch_and_digest, next_epoch),
+                **self._state_round_options(next_epoch),
+            )
+            if average_state and control is None
+            else None,
+            grad_scaler=grad_scaler,
+        )
         self._log_finished_state_rounds()  # a new round waited for the previous one
         if average_state:
             self._state_round = self.state_averager._last_averaging_stage
@@ -543,7 +663,12 @@ class Optimizer(torch.optim.Optimizer):
                     reason, left_out = "the swarm averaged this epoch without us and moved on", True
             except LeftOutError as error:
                 reason, left_out = str(error), True
-            except (AveragingError, TimeoutError, ConnectionError, concurrent.futures.CancelledError) as error:
+            except (
+                AveragingError,
+                TimeoutError,
+                ConnectionError,
+                concurrent.futures.CancelledError,
+            ) as error:
                 reason = str(error) or f"no result within {self.averaging_timeout} s"
             except Exception as error:  # never let a broken round stop training
                 logger.warning(f"The gradient round failed with {error!r}")
@@ -624,7 +749,9 @@ class Optimizer(torch.optim.Optimizer):
         logger.log(level, f"Step #{self.local_epoch}")
         if not self.auxiliary:
             logger.log(level, f"Your current contribution: {self._samples_contributed} samples")
-            logger.log(level, f"Performance: {self.tracker.performance_ema.samples_per_second:.3f} samples/sec")
+            logger.log(
+                level, f"Performance: {self.tracker.performance_ema.samples_per_second:.3f} samples/sec"
+            )
         if self._losses:
             logger.log(level, f"Local loss: {sum(self._losses) / len(self._losses):.5f}")
             self._losses.clear()
@@ -704,20 +831,36 @@ def _epoch_and_digest(epoch: int, digest: str) -> list:
     return [epoch, digest]
 
 
-def _check_options(client_mode, auxiliary, offload_optimizer, delay_optimizer_step, delay_grad_averaging,
-                   use_local_updates, reuse_grad_buffers, average_state_every, params, optimizer) -> None:
+def _check_options(
+    client_mode,
+    auxiliary,
+    offload_optimizer,
+    delay_optimizer_step,
+    delay_grad_averaging,
+    use_local_updates,
+    reuse_grad_buffers,
+    average_state_every,
+    params,
+    optimizer,
+) -> None:
     if client_mode and auxiliary:
         raise ValueError("a client-mode peer cannot be auxiliary: auxiliary peers reduce others' parts")
     if delay_grad_averaging and not delay_optimizer_step:
         raise ValueError("delay_grad_averaging requires delay_optimizer_step")
     if delay_optimizer_step and not offload_optimizer:
-        raise ValueError("delay_optimizer_step requires offload_optimizer (pass params and an optimizer factory)")
+        raise ValueError(
+            "delay_optimizer_step requires offload_optimizer (pass params and an optimizer factory)"
+        )
     if use_local_updates and (delay_grad_averaging or reuse_grad_buffers):
-        raise ValueError("use_local_updates averages no gradients: delay_grad_averaging and reuse_grad_buffers "
-                         "do not apply")
+        raise ValueError(
+            "use_local_updates averages no gradients: delay_grad_averaging and reuse_grad_buffers "
+            "do not apply"
+        )
     if offload_optimizer and params is None:
-        raise ValueError("offload_optimizer needs params and an optimizer factory, "
-                         "e.g. optimizer=functools.partial(torch.optim.Adam, lr=1e-3), params=model.parameters()")
+        raise ValueError(
+            "offload_optimizer needs params and an optimizer factory, "
+            "e.g. optimizer=functools.partial(torch.optim.Adam, lr=1e-3), params=model.parameters()"
+        )
     if average_state_every < 1:
         raise ValueError(f"average_state_every must be at least 1, got {average_state_every}")
     if isinstance(optimizer, torch.optim.Optimizer) and params is not None:

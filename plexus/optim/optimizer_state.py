@@ -59,21 +59,28 @@ def flatten_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, lis
     return {"param_groups": state_dict["param_groups"], "state": entries}, tensors
 
 
-def unflatten_optimizer_state(metadata: Any, tensors: Sequence[torch.Tensor],
-                              optimizer: torch.optim.Optimizer) -> dict:
+def unflatten_optimizer_state(
+    metadata: Any, tensors: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+) -> dict:
     """The inverse of `flatten_optimizer_state`, checked against `optimizer` (data from a peer).
 
     Raises ValueError naming what does not fit: group count or sizes, indices, tensor shapes.
     """
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("param_groups"), list) \
-            or not isinstance(metadata.get("state"), list):
+    if (
+        not isinstance(metadata, dict)
+        or not isinstance(metadata.get("param_groups"), list)
+        or not isinstance(metadata.get("state"), list)
+    ):
         raise ValueError("optimizer metadata must be a dict with 'param_groups' and 'state' lists")
     groups = metadata["param_groups"]
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(f"{len(groups)} parameter groups, ours has {len(optimizer.param_groups)}")
     for theirs, ours in zip(groups, optimizer.param_groups):
-        if not isinstance(theirs, dict) or not isinstance(theirs.get("params"), list) \
-                or len(theirs["params"]) != len(ours["params"]):
+        if (
+            not isinstance(theirs, dict)
+            or not isinstance(theirs.get("params"), list)
+            or len(theirs["params"]) != len(ours["params"])
+        ):
             raise ValueError("a parameter group's size differs from ours")
     params = optimizer_parameters(optimizer)
     current = optimizer.state_dict()["state"]
@@ -81,8 +88,13 @@ def unflatten_optimizer_state(metadata: Any, tensors: Sequence[torch.Tensor],
     remaining = iter(tensors)
     used = 0
     for entry in metadata["state"]:
-        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int)
-                and isinstance(entry[1], str) and isinstance(entry[2], bool)):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and isinstance(entry[0], int)
+            and isinstance(entry[1], str)
+            and isinstance(entry[2], bool)
+        ):
             raise ValueError(f"malformed optimizer state entry {entry!r:.80}")
         index, key, is_tensor, value = entry
         if not 0 <= index < len(params):
@@ -94,8 +106,10 @@ def unflatten_optimizer_state(metadata: Any, tensors: Sequence[torch.Tensor],
             used += 1
             ours = current.get(index, {}).get(key)
             if isinstance(ours, torch.Tensor) and ours.shape != value.shape:
-                raise ValueError(f"optimizer state {key!r} of parameter {index} has shape "
-                                 f"{tuple(value.shape)}, ours is {tuple(ours.shape)}")
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {index} has shape "
+                    f"{tuple(value.shape)}, ours is {tuple(ours.shape)}"
+                )
         state.setdefault(index, {})[key] = value
     if used != len(tensors):
         raise ValueError(f"{len(tensors)} optimizer tensors, but the metadata lists {used}")

@@ -80,10 +80,10 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
 def orthogonalize_(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Make the columns of `matrix` orthonormal in place (modified Gram-Schmidt); zero columns stay 0."""
     for i in range(matrix.shape[1]):
-        column = matrix[:, i:i + 1]
+        column = matrix[:, i : i + 1]
         column.div_(column.norm() + eps)
         if i + 1 < matrix.shape[1]:
-            rest = matrix[:, i + 1:]
+            rest = matrix[:, i + 1 :]
             rest.sub_(column @ (column.T @ rest))
     return matrix
 
@@ -96,17 +96,29 @@ class PowerSGDGradientAverager(GradientAverager):
     must stay 1: both phases need every member to end with the same P and Q.
     """
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], averager_rank: int, *, dht: DHT, prefix: str,
-                 reuse_grad_buffers: bool = False, accumulate_grads_on: torch.device | None = None,
-                 client_mode: bool | None = None, warn: bool = True, min_compression_ratio: float = 0.5,
-                 averaged_grads: Sequence[torch.Tensor] | None = None, **kwargs):
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        averager_rank: int,
+        *,
+        dht: DHT,
+        prefix: str,
+        reuse_grad_buffers: bool = False,
+        accumulate_grads_on: torch.device | None = None,
+        client_mode: bool | None = None,
+        warn: bool = True,
+        min_compression_ratio: float = 0.5,
+        averaged_grads: Sequence[torch.Tensor] | None = None,
+        **kwargs,
+    ):
         if not averager_rank >= 1:
             raise ValueError(f"averager_rank must be at least 1, got {averager_rank}")
         if not 0 <= min_compression_ratio < 1:
             raise ValueError(f"min_compression_ratio must be in [0, 1), got {min_compression_ratio}")
         if kwargs.get("averaging_alpha", 1.0) != 1.0:
-            raise ValueError("PowerSGD needs averaging_alpha=1: every member must end each phase "
-                             "with the same factors")
+            raise ValueError(
+                "PowerSGD needs averaging_alpha=1: every member must end each phase with the same factors"
+            )
         parameters = tuple(parameters)
         self.rank, self.min_compression_ratio = averager_rank, min_compression_ratio
         self._matrices: dict[int, tuple[int, int]] = {}  # parameter index -> (n, m), factorised tensors only
@@ -120,9 +132,17 @@ class PowerSGDGradientAverager(GradientAverager):
         self._plain = [index for index in range(len(parameters)) if index not in self._matrices]
         self._qs = [self._initial_q(prefix, index, n, m) for index, (n, m) in self._matrices.items()]
         self._ms = [torch.zeros(n, m, dtype=torch.float32) for n, m in self._matrices.values()]
-        super().__init__(parameters, dht=dht, prefix=prefix, reuse_grad_buffers=reuse_grad_buffers,
-                         accumulate_grads_on=accumulate_grads_on, client_mode=client_mode, warn=warn,
-                         averaged_grads=averaged_grads or (), **kwargs)
+        super().__init__(
+            parameters,
+            dht=dht,
+            prefix=prefix,
+            reuse_grad_buffers=reuse_grad_buffers,
+            accumulate_grads_on=accumulate_grads_on,
+            client_mode=client_mode,
+            warn=warn,
+            averaged_grads=averaged_grads or (),
+            **kwargs,
+        )
 
     def _initial_q(self, prefix: str, index: int, n: int, m: int) -> torch.Tensor:
         seed = hashlib.sha256(f"{prefix}/powersgd/{index}/{n}x{m}".encode()).digest()
@@ -137,8 +157,10 @@ class PowerSGDGradientAverager(GradientAverager):
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Sequence[CompressionInfo]]:
         """Newcomers download the shared Q matrices (called under the averager's lock)."""
-        infos = [CompressionInfo.from_tensor(q, key=f"q{index}", role=TensorRole.GRADIENT)
-                 for index, q in zip(self._matrices, self._qs)]
+        infos = [
+            CompressionInfo.from_tensor(q, key=f"q{index}", role=TensorRole.GRADIENT)
+            for index, q in zip(self._matrices, self._qs)
+        ]
         return dict(group_bits=self.get_group_bits(), powersgd_rank=self.rank), self._qs, infos
 
     def load_state_from_peers(self, wait: bool = True, timeout: float | None = None):
@@ -163,9 +185,11 @@ class PowerSGDGradientAverager(GradientAverager):
             return None
         metadata, tensors = state
         if [tuple(t.shape) for t in tensors] != [tuple(q.shape) for q in self._qs]:
-            logger.warning(f"{self.prefix}: a peer's PowerSGD state has shapes "
-                           f"{[tuple(t.shape) for t in tensors]}, ours {[tuple(q.shape) for q in self._qs]} "
-                           f"(another rank or model?); keeping our Q")
+            logger.warning(
+                f"{self.prefix}: a peer's PowerSGD state has shapes "
+                f"{[tuple(t.shape) for t in tensors]}, ours {[tuple(q.shape) for q in self._qs]} "
+                f"(another rank or model?); keeping our Q"
+            )
             return state
         with self.get_tensors():
             for q, loaded in zip(self._qs, tensors):
@@ -181,8 +205,9 @@ class PowerSGDGradientAverager(GradientAverager):
             if not (isinstance(member, list) and len(member) == 3 and member[1] in (0, 1, 2)):
                 raise ValueError(f"a group member sent malformed gathered data: {member!r:.80}")
         modes = [AveragingMode(member[1]) for member in members]
-        bandwidths = [0.0 if mode == AveragingMode.CLIENT else member[0]
-                      for member, mode in zip(members, modes)]
+        bandwidths = [
+            0.0 if mode == AveragingMode.CLIENT else member[0] for member, mode in zip(members, modes)
+        ]
         loop = asyncio.get_running_loop()
 
         async with self._locked():  # a snapshot: the training thread may write them once we let go
@@ -191,8 +216,10 @@ class PowerSGDGradientAverager(GradientAverager):
             qs = [q.clone() for q in self._qs]
 
         def phase_p() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            ms = [error.add(grads[index].view(n, m))
-                  for error, (index, (n, m)) in zip(self._ms, self._matrices.items())]
+            ms = [
+                error.add(grads[index].view(n, m))
+                for error, (index, (n, m)) in zip(self._ms, self._matrices.items())
+            ]
             return ms, [mt @ q for mt, q in zip(ms, qs)]
 
         ms, ps = await loop.run_in_executor(None, phase_p)
@@ -239,24 +266,44 @@ class PowerSGDGradientAverager(GradientAverager):
         finally:
             self._lock.release()
 
-    async def _run_phase(self, group, tag: bytes, tensors: list[torch.Tensor], modes, bandwidths,
-                         weight: float) -> None:
+    async def _run_phase(
+        self, group, tag: bytes, tensors: list[torch.Tensor], modes, bandwidths, weight: float
+    ) -> None:
         if not tensors:
             return
         sizes = load_balance_peers(sum(t.numel() for t in tensors), bandwidths, self.min_vector_size)
-        infos = [CompressionInfo.from_tensor(t, key=f"{tag.decode()}{i}", role=TensorRole.GRADIENT)
-                 for i, t in enumerate(tensors)]
+        infos = [
+            CompressionInfo.from_tensor(t, key=f"{tag.decode()}{i}", role=TensorRole.GRADIENT)
+            for i, t in enumerate(tensors)
+        ]
         runner = self.allreduce_runner(
-            self.dht.host, group.group_id + b"." + tag, tensors, group.peer_ids, sizes, modes, weight,
-            self.compression, self.part_size_bytes, self.sender_timeout, self.reducer_timeout,
-            tensor_infos=infos, **self._member_checks(group.peer_ids))
+            self.dht.host,
+            group.group_id + b"." + tag,
+            tensors,
+            group.peer_ids,
+            sizes,
+            modes,
+            weight,
+            self.compression,
+            self.part_size_bytes,
+            self.sender_timeout,
+            self.reducer_timeout,
+            tensor_infos=infos,
+            **self._member_checks(group.peer_ids),
+        )
         with _routers[self.dht.host].register(runner):
             async with asyncio.timeout(self.allreduce_timeout):
                 report = await runner.run()
         if report.failed_spans or report.discarded_parts:
-            failed = ", ".join([f"{f.reducer.short()} ({f.parts_received}/{f.parts_total}: {f.reason})"
-                                for f in report.failed_spans] +
-                               [f"{peer.short()} (failed verification)" for peer in report.discarded_parts])
-            raise PowerSGDPhaseError(f"PowerSGD phase {tag.decode()} in group {group.group_id.hex()[:8]} "
-                                     f"kept local values for some spans ({failed}); the factors would "
-                                     f"differ between peers")
+            failed = ", ".join(
+                [
+                    f"{f.reducer.short()} ({f.parts_received}/{f.parts_total}: {f.reason})"
+                    for f in report.failed_spans
+                ]
+                + [f"{peer.short()} (failed verification)" for peer in report.discarded_parts]
+            )
+            raise PowerSGDPhaseError(
+                f"PowerSGD phase {tag.decode()} in group {group.group_id.hex()[:8]} "
+                f"kept local values for some spans ({failed}); the factors would "
+                f"differ between peers"
+            )

@@ -97,12 +97,19 @@ class ProgressBounds:
     """Another peer's samples and speed count at most this many times the peers' lower median."""
 
     def __post_init__(self):
-        if not (self.max_clock_skew >= 0 and self.max_expiration > 0 and self.max_samples_factor >= 1
-                and self.max_epochs_per_second > 0 and self.outlier_factor >= 1):
+        if not (
+            self.max_clock_skew >= 0
+            and self.max_expiration > 0
+            and self.max_samples_factor >= 1
+            and self.max_epochs_per_second > 0
+            and self.outlier_factor >= 1
+        ):
             raise ValueError(f"invalid {self}: skew >= 0, expiration > 0, factors >= 1, speed > 0")
 
 
-def signer_of(subkey, report: "LocalTrainingProgress | None" = None, rsa_records: bool = False) -> PeerID | None:
+def signer_of(
+    subkey, report: "LocalTrainingProgress | None" = None, rsa_records: bool = False
+) -> PeerID | None:
     """The peer whose key a progress sub-key names (None if it names none).
 
     An RSA key (hivemind's records, accepted only by trackers that sign with RSA themselves) names
@@ -120,18 +127,26 @@ def signer_of(subkey, report: "LocalTrainingProgress | None" = None, rsa_records
     return PeerID.from_public_key(public_key)
 
 
-def broken_bound(report: "LocalTrainingProgress", signer: PeerID | None, expiration_time: float,
-                 bounds: ProgressBounds, now: float | None = None) -> tuple[str, str] | None:
+def broken_bound(
+    report: "LocalTrainingProgress",
+    signer: PeerID | None,
+    expiration_time: float,
+    bounds: ProgressBounds,
+    now: float | None = None,
+) -> tuple[str, str] | None:
     """(the bound, what is wrong) for a record that breaks one, else None. Without `now` only the
     checks that need no clock are made (what a storing node can tell)."""
     if signer is None or report.peer_id != signer.to_bytes():
         return "peer_id", "its peer_id is not the key that signed it"
     if expiration_time - report.time > bounds.max_expiration:
-        return "max_expiration", (f"it expires {expiration_time - report.time:.0f} s after its time "
-                                  f"(at most {bounds.max_expiration})")
+        return "max_expiration", (
+            f"it expires {expiration_time - report.time:.0f} s after its time "
+            f"(at most {bounds.max_expiration})"
+        )
     if now is not None and report.time > now + bounds.max_clock_skew:
-        return "max_clock_skew", (f"its time is {report.time - now:.0f} s ahead of ours "
-                                  f"(at most {bounds.max_clock_skew})")
+        return "max_clock_skew", (
+            f"its time is {report.time - now:.0f} s ahead of ours (at most {bounds.max_clock_skew})"
+        )
     return None
 
 
@@ -140,7 +155,11 @@ class _ProgressRecordValidator(RecordValidatorBase):
     live longer than the bounds allow."""
 
     def __init__(self, key: str, bounds: ProgressBounds, rsa_records: bool = False):
-        self.key_id, self.bounds, self.rsa_records = DHTID.generate(source=key).to_bytes(), bounds, rsa_records
+        self.key_id, self.bounds, self.rsa_records = (
+            DHTID.generate(source=key).to_bytes(),
+            bounds,
+            rsa_records,
+        )
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id or record.subkey == MSGPackSerializer.dumps(None):
@@ -159,8 +178,11 @@ class _ProgressRecordValidator(RecordValidatorBase):
         return broken_bound(report, signer, record.expiration_time, self.bounds) is None
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
-        return isinstance(other, _ProgressRecordValidator) and \
-            (other.key_id, other.bounds, other.rsa_records) == (self.key_id, self.bounds, self.rsa_records)
+        return isinstance(other, _ProgressRecordValidator) and (
+            other.key_id,
+            other.bounds,
+            other.rsa_records,
+        ) == (self.key_id, self.bounds, self.rsa_records)
 
 
 @dataclass(frozen=True)
@@ -177,13 +199,27 @@ class GlobalTrainingProgress:
 class ProgressTracker:
     """Publishes this peer's progress and keeps an estimate of the whole swarm's."""
 
-    def __init__(self, dht: DHT, prefix: str, target_batch_size: int, *, client_mode: bool | None = None,
-                 min_refresh_period: float = 0.5, max_refresh_period: float = 10.0,
-                 default_refresh_period: float = 3.0, expected_drift_peers: float = 3,
-                 expected_drift_rate: float = 0.2, performance_ema_alpha: float = 0.1,
-                 metadata_expiration: float = 60.0, status_loglevel: int = logging.DEBUG, start: bool = True,
-                 bounds: ProgressBounds = ProgressBounds(), state_prefix: str | None = None,
-                 epoch_claim_grace: float | None = None, private_key: PrivateKey | RSAPrivateKey | None = None):
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        target_batch_size: int,
+        *,
+        client_mode: bool | None = None,
+        min_refresh_period: float = 0.5,
+        max_refresh_period: float = 10.0,
+        default_refresh_period: float = 3.0,
+        expected_drift_peers: float = 3,
+        expected_drift_rate: float = 0.2,
+        performance_ema_alpha: float = 0.1,
+        metadata_expiration: float = 60.0,
+        status_loglevel: int = logging.DEBUG,
+        start: bool = True,
+        bounds: ProgressBounds = ProgressBounds(),
+        state_prefix: str | None = None,
+        epoch_claim_grace: float | None = None,
+        private_key: PrivateKey | RSAPrivateKey | None = None,
+    ):
         """`bounds`: what a peer's record may claim. `state_prefix`: where peers serve their training
         state (the Optimizer passes its state averager's prefix), to check a peer's claim to be ahead
         of the majority's epoch, once it stood for `epoch_claim_grace` seconds (default:
@@ -192,11 +228,14 @@ class ProgressTracker:
         hivemind's records use; see the module docstring for what RSA records cannot prove). See
         the module docstring."""
         if min_refresh_period > max_refresh_period:
-            raise ValueError(f"min_refresh_period={min_refresh_period} exceeds "
-                             f"max_refresh_period={max_refresh_period}")
+            raise ValueError(
+                f"min_refresh_period={min_refresh_period} exceeds max_refresh_period={max_refresh_period}"
+            )
         if not 0 < metadata_expiration < bounds.max_expiration:
-            raise ValueError(f"metadata_expiration must be positive and below bounds.max_expiration "
-                             f"({bounds.max_expiration}), got {metadata_expiration}")
+            raise ValueError(
+                f"metadata_expiration must be positive and below bounds.max_expiration "
+                f"({bounds.max_expiration}), got {metadata_expiration}"
+            )
         # hivemind accepts a default outside [min, max] (tracker_opts often set only max): clip it
         default_refresh_period = min(max(default_refresh_period, min_refresh_period), max_refresh_period)
         self.dht, self.prefix, self.target_batch_size = dht, prefix, target_batch_size
@@ -210,11 +249,19 @@ class ProgressTracker:
         self.bounds, self.state_prefix = bounds, state_prefix
         self.epoch_claim_grace = max_refresh_period if epoch_claim_grace is None else epoch_claim_grace
         self.rsa_records = isinstance(private_key, RSAPrivateKey)
-        signer = (RSASignatureValidator(private_key) if self.rsa_records
-                  else Ed25519SignatureValidator(private_key or dht.private_key))
+        signer = (
+            RSASignatureValidator(private_key)
+            if self.rsa_records
+            else Ed25519SignatureValidator(private_key or dht.private_key)
+        )
         self._subkey = signer.local_public_key
-        dht.add_validators([signer, SchemaValidator(TrainingProgressSchema, prefix=prefix),
-                            _ProgressRecordValidator(self.training_progress_key, bounds, self.rsa_records)])
+        dht.add_validators(
+            [
+                signer,
+                SchemaValidator(TrainingProgressSchema, prefix=prefix),
+                _ProgressRecordValidator(self.training_progress_key, bounds, self.rsa_records),
+            ]
+        )
         self._rejections = RateLimitedLog(logger)
         self._claims: dict[bytes, tuple[int, float]] = {}  # peer -> (epoch it claims ahead of us, since when)
         self._confirmed: dict[bytes, int] = {}  # peer -> the epoch its state server confirmed
@@ -266,8 +313,13 @@ class ProgressTracker:
         for probe in list(self._probes.values()):
             self._loop.call_soon_threadsafe(probe.cancel)
         try:
-            self.dht.store(self.training_progress_key, None, get_dht_time() + self.metadata_expiration,
-                           subkey=self._subkey, return_future=True).result(timeout)
+            self.dht.store(
+                self.training_progress_key,
+                None,
+                get_dht_time() + self.metadata_expiration,
+                subkey=self._subkey,
+                return_future=True,
+            ).result(timeout)
         except Exception as error:  # leaving still succeeds: our record expires on its own
             logger.warning(f"could not tell the swarm that this peer left: {error!r}")
 
@@ -278,19 +330,29 @@ class ProgressTracker:
         estimate can spike, and a batch larger than the bounds allow is counted as their maximum)."""
         max_samples, max_speed = self._max_samples, self.bounds.max_epochs_per_second * self.target_batch_size
         return LocalTrainingProgress(
-            peer_id=self.dht.peer_id.to_bytes(), epoch=epoch, samples_accumulated=min(samples, max_samples),
+            peer_id=self.dht.peer_id.to_bytes(),
+            epoch=epoch,
+            samples_accumulated=min(samples, max_samples),
             samples_per_second=min(float(self.performance_ema.samples_per_second), max_speed),
-            time=get_dht_time(), client_mode=self.client_mode,
+            time=get_dht_time(),
+            client_mode=self.client_mode,
         )
 
     @property
     def _max_samples(self) -> int:
         return int(self.bounds.max_samples_factor * self.target_batch_size)
 
-    def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True) -> None:
+    def report_local_progress(
+        self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True
+    ) -> None:
         """Record this peer's progress (call after each local step); published shortly after."""
         extra = samples_accumulated - self.local_progress.samples_accumulated
-        if update_global_samples and local_epoch == self.local_progress.epoch and extra > 0 and not self._paused:
+        if (
+            update_global_samples
+            and local_epoch == self.local_progress.epoch
+            and extra > 0
+            and not self._paused
+        ):
             self.performance_ema.update(extra)
         with self._lock:
             self.local_progress = self._make_local_progress(local_epoch, samples_accumulated)
@@ -306,8 +368,14 @@ class ProgressTracker:
             if new_epoch > progress.epoch:
                 now = get_dht_time()
                 self.global_progress = GlobalTrainingProgress(
-                    new_epoch, 0, self.target_batch_size, progress.num_peers, progress.num_clients,
-                    now + self._eta(0, self._swarm_speed), now + self.min_refresh_period)
+                    new_epoch,
+                    0,
+                    self.target_batch_size,
+                    progress.num_peers,
+                    progress.num_clients,
+                    now + self._eta(0, self._swarm_speed),
+                    now + self.min_refresh_period,
+                )
         self._notify(self._wake_reporter)
         self._notify(self._wake_fetcher)
         return new_epoch
@@ -344,8 +412,12 @@ class ProgressTracker:
 
     async def _publish(self, progress: LocalTrainingProgress) -> None:
         try:
-            await self.dht.node.store(self.training_progress_key, progress.model_dump(),
-                                      get_dht_time() + self.metadata_expiration, subkey=self._subkey)
+            await self.dht.node.store(
+                self.training_progress_key,
+                progress.model_dump(),
+                get_dht_time() + self.metadata_expiration,
+                subkey=self._subkey,
+            )
         except Exception as error:  # the DHT may be briefly unreachable; the next report retries
             logger.debug(f"could not publish training progress: {error!r}")
 
@@ -364,8 +436,10 @@ class ProgressTracker:
         peers' speeds, and stepping on a prediction is stepping before the target batch is there.
         The ETA only tells when to start matchmaking and to re-read the reports."""
         progress = self.global_progress
-        return (progress.epoch > self.local_progress.epoch
-                or progress.samples_accumulated >= self.target_batch_size)
+        return (
+            progress.epoch > self.local_progress.epoch
+            or progress.samples_accumulated >= self.target_batch_size
+        )
 
     @property
     def estimated_next_update_time(self) -> float:
@@ -400,36 +474,47 @@ class ProgressTracker:
         if found is not None and isinstance(found.value, dict):
             for subkey, entry in found.value.items():
                 report = _parse(entry.value)
-                if (report is not None and report.peer_id != local.peer_id
-                        and now - report.time <= STALE_AFTER_PERIODS * self.max_refresh_period
-                        and self._within_bounds(report, subkey, entry.expiration_time, now)):
+                if (
+                    report is not None
+                    and report.peer_id != local.peer_id
+                    and now - report.time <= STALE_AFTER_PERIODS * self.max_refresh_period
+                    and self._within_bounds(report, subkey, entry.expiration_time, now)
+                ):
                     reports[report.peer_id] = report
         progress = self._estimate(list(reports.values()), now) if reports else self._solo_progress(now)
         with self._lock:
             self.global_progress = progress
             self.fetch_count += 1
             self._peer_reports = reports
-        logger.log(self.status_loglevel,
-                   f"{self.prefix} accumulated {progress.samples_accumulated} samples for epoch #{progress.epoch} "
-                   f"from {progress.num_peers} peers. ETA {max(0.0, progress.eta_next_epoch - now):.2f} sec "
-                   f"(refresh in {max(0.0, progress.next_fetch_time - now):.2f} sec)")
+        logger.log(
+            self.status_loglevel,
+            f"{self.prefix} accumulated {progress.samples_accumulated} samples for epoch #{progress.epoch} "
+            f"from {progress.num_peers} peers. ETA {max(0.0, progress.eta_next_epoch - now):.2f} sec "
+            f"(refresh in {max(0.0, progress.next_fetch_time - now):.2f} sec)",
+        )
         return progress
 
-    def _within_bounds(self, report: LocalTrainingProgress, subkey, expiration_time: float,
-                       now: float) -> bool:
+    def _within_bounds(
+        self, report: LocalTrainingProgress, subkey, expiration_time: float, now: float
+    ) -> bool:
         max_speed = self.bounds.max_epochs_per_second * self.target_batch_size
         signer = signer_of(subkey, report, self.rsa_records)
         broken = broken_bound(report, signer, expiration_time, self.bounds, now)
         if broken is None and report.samples_accumulated > self._max_samples:
-            broken = "max_samples_factor", (f"it claims {report.samples_accumulated} samples "
-                                            f"(at most {self._max_samples})")
+            broken = (
+                "max_samples_factor",
+                (f"it claims {report.samples_accumulated} samples (at most {self._max_samples})"),
+            )
         if broken is None and report.samples_per_second > max_speed:
-            broken = "max_epochs_per_second", (f"it claims {report.samples_per_second:.3g} samples/s "
-                                               f"(at most {max_speed})")
+            broken = (
+                "max_epochs_per_second",
+                (f"it claims {report.samples_per_second:.3g} samples/s (at most {max_speed})"),
+            )
         if broken is not None:
             peer = signer or report.peer_id[:64]
-            self._rejections.warning((broken[0], peer), f"ignoring the progress record of {peer}: "
-                                                        f"{broken[1]}")
+            self._rejections.warning(
+                (broken[0], peer), f"ignoring the progress record of {peer}: {broken[1]}"
+            )
         return broken is None
 
     def _estimate(self, reports: list[LocalTrainingProgress], now: float) -> GlobalTrainingProgress:
@@ -446,15 +531,28 @@ class ProgressTracker:
 
         speeds = {r.peer_id: clip(r, r.samples_per_second, speed_cap) for r in counted}
         samples = sum(int(clip(r, r.samples_accumulated, sample_cap)) for r in current)
-        extrapolated = sum(clip(r, r.samples_accumulated + max(0.0, now - r.time) * speeds[r.peer_id],
-                                sample_cap) for r in current)
+        extrapolated = sum(
+            clip(r, r.samples_accumulated + max(0.0, now - r.time) * speeds[r.peer_id], sample_cap)
+            for r in current
+        )
         speed = self._swarm_speed = sum(speeds.values())  # laggards soon count again
         eta = now + self._eta(extrapolated, speed)
         num_peers = len(counted)
-        expected_peers = max(num_peers + self.expected_drift_peers, num_peers * (1 + self.expected_drift_rate))
-        refresh = min(max((eta - now) * num_peers / expected_peers, self.min_refresh_period), self.max_refresh_period)
-        return GlobalTrainingProgress(epoch, samples, self.target_batch_size, num_peers,
-                                      sum(r.client_mode for r in counted), eta, now + refresh)
+        expected_peers = max(
+            num_peers + self.expected_drift_peers, num_peers * (1 + self.expected_drift_rate)
+        )
+        refresh = min(
+            max((eta - now) * num_peers / expected_peers, self.min_refresh_period), self.max_refresh_period
+        )
+        return GlobalTrainingProgress(
+            epoch,
+            samples,
+            self.target_batch_size,
+            num_peers,
+            sum(r.client_mode for r in counted),
+            eta,
+            now + refresh,
+        )
 
     # --- believing epochs ----------------------------------------------------------------------------
 
@@ -483,13 +581,20 @@ class ProgressTracker:
         """A peer ahead that may just have stepped still counts as a peer (we may be in its round)
         until its claim is checked; a claim that failed the check counts for nothing."""
         claim = self._claims.get(peer)
-        return (claim is not None and self._refuted.get(peer) != claim[0]
-                and (now - claim[1] < self.epoch_claim_grace or peer in self._probes))
+        return (
+            claim is not None
+            and self._refuted.get(peer) != claim[0]
+            and (now - claim[1] < self.epoch_claim_grace or peer in self._probes)
+        )
 
     def _maybe_probe(self, peer: bytes, epoch: int, since: float, now: float) -> None:
-        if (self.state_prefix is None or now - since < self.epoch_claim_grace or peer in self._probes
-                or len(self._probes) >= MAX_CONCURRENT_PROBES
-                or now - self._last_probe.get(peer, float("-inf")) < self.max_refresh_period):
+        if (
+            self.state_prefix is None
+            or now - since < self.epoch_claim_grace
+            or peer in self._probes
+            or len(self._probes) >= MAX_CONCURRENT_PROBES
+            or now - self._last_probe.get(peer, float("-inf")) < self.max_refresh_period
+        ):
             return
         self._last_probe[peer] = now
         self._probes[peer] = asyncio.get_running_loop().create_task(self._probe(peer, epoch))
@@ -497,15 +602,19 @@ class ProgressTracker:
     async def _probe(self, peer: bytes, epoch: int) -> None:
         """Ask the peer's state server which epoch it can serve; believe the claim if that reaches it."""
         try:
-            served = await stated_priority(self.dht.host, self.state_prefix, PeerID(peer),
-                                           timeout=self.max_refresh_period)
+            served = await stated_priority(
+                self.dht.host, self.state_prefix, PeerID(peer), timeout=self.max_refresh_period
+            )
             if served is not None:  # claims up to what it serves are believed from now on
                 self._confirmed[peer] = int(served)
                 self._notify(self._wake_fetcher)
             if served is None or served < epoch:
                 self._refuted[peer] = epoch
-                self._rejections.warning(("epoch", peer), f"not believing that {PeerID(peer)} is at epoch "
-                                                          f"{epoch}: its state server offers {served}")
+                self._rejections.warning(
+                    ("epoch", peer),
+                    f"not believing that {PeerID(peer)} is at epoch "
+                    f"{epoch}: its state server offers {served}",
+                )
         finally:
             self._probes.pop(peer, None)
 
@@ -516,9 +625,14 @@ class ProgressTracker:
         local = self.local_progress
         self._swarm_speed = self.performance_ema.samples_per_second
         return GlobalTrainingProgress(
-            local.epoch, local.samples_accumulated, self.target_batch_size, 0, 0,
+            local.epoch,
+            local.samples_accumulated,
+            self.target_batch_size,
+            0,
+            0,
             now + self._eta(local.samples_accumulated, self.performance_ema.samples_per_second),
-            now + self.default_refresh_period)
+            now + self.default_refresh_period,
+        )
 
 
 def _parse(value) -> LocalTrainingProgress | None:
@@ -536,6 +650,12 @@ def _lower_median(values: list[float]) -> float:
 
 
 def _with_extra_samples(progress: GlobalTrainingProgress, extra: int) -> GlobalTrainingProgress:
-    return GlobalTrainingProgress(progress.epoch, progress.samples_accumulated + max(extra, 0),
-                                  progress.target_batch_size, progress.num_peers, progress.num_clients,
-                                  progress.eta_next_epoch, progress.next_fetch_time)
+    return GlobalTrainingProgress(
+        progress.epoch,
+        progress.samples_accumulated + max(extra, 0),
+        progress.target_batch_size,
+        progress.num_peers,
+        progress.num_clients,
+        progress.eta_next_epoch,
+        progress.next_fetch_time,
+    )

@@ -124,35 +124,55 @@ class TrainingStateAverager(DecentralizedAverager):
         **averager_kwargs: `prefix`, `start`, `target_group_size`, ... for DecentralizedAverager.
     """
 
-    def __init__(self, *, dht, optimizer: torch.optim.Optimizer | OptimizerFactory,
-                 params: Iterable[torch.Tensor] | Iterable[dict] | None = None,
-                 scheduler: Any | SchedulerFactory | None = None, initialize_optimizer: bool | None = None,
-                 offload_optimizer: bool = False, custom_gradients: bool = False, reuse_tensors: bool | None = None,
-                 delta_rule_averaging: bool = False, performance_ema_alpha: float = 0.1,
-                 sync_epoch_when_averaging: bool = False, parameter_names: Sequence[str] | None = None,
-                 average_opt_statistics: Sequence[str] = (), extra_tensors: Sequence[torch.Tensor] = (),
-                 status_loglevel: int = logging.DEBUG, **averager_kwargs):
+    def __init__(
+        self,
+        *,
+        dht,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
+        params: Iterable[torch.Tensor] | Iterable[dict] | None = None,
+        scheduler: Any | SchedulerFactory | None = None,
+        initialize_optimizer: bool | None = None,
+        offload_optimizer: bool = False,
+        custom_gradients: bool = False,
+        reuse_tensors: bool | None = None,
+        delta_rule_averaging: bool = False,
+        performance_ema_alpha: float = 0.1,
+        sync_epoch_when_averaging: bool = False,
+        parameter_names: Sequence[str] | None = None,
+        average_opt_statistics: Sequence[str] = (),
+        extra_tensors: Sequence[torch.Tensor] = (),
+        status_loglevel: int = logging.DEBUG,
+        **averager_kwargs,
+    ):
         if reuse_tensors and delta_rule_averaging:
-            raise ValueError("reuse_tensors cannot be combined with delta_rule_averaging: the delta rule "
-                             "needs the averaged tensors apart from the local ones")
+            raise ValueError(
+                "reuse_tensors cannot be combined with delta_rule_averaging: the delta rule "
+                "needs the averaged tensors apart from the local ones"
+            )
         if custom_gradients and not offload_optimizer:
             logger.warning("custom_gradients=True has no effect without offload_optimizer")
         self.offload_optimizer, self.custom_gradients = offload_optimizer, custom_gradients
         self.delta_rule_averaging = delta_rule_averaging
-        self.reuse_tensors = (offload_optimizer and not delta_rule_averaging) if reuse_tensors is None \
-            else reuse_tensors
+        self.reuse_tensors = (
+            (offload_optimizer and not delta_rule_averaging) if reuse_tensors is None else reuse_tensors
+        )
         self.sync_epoch_when_averaging, self.status_loglevel = sync_epoch_when_averaging, status_loglevel
         self.optimizer, self.main_parameters = self._make_optimizer(optimizer, params)
         if parameter_names is None:
             parameter_names = tuple(f"param{i}" for i in range(len(self.main_parameters)))
         if len(parameter_names) != len(self.main_parameters):
-            raise ValueError(f"{len(parameter_names)} parameter_names for {len(self.main_parameters)} parameters")
+            raise ValueError(
+                f"{len(parameter_names)} parameter_names for {len(self.main_parameters)} parameters"
+            )
         self.parameter_names = tuple(parameter_names)
         self.opt_keys_for_averaging = tuple(average_opt_statistics)
         self.extra_tensors = tuple(extra_tensors)
         if initialize_optimizer is None:
-            initialize_optimizer = not any(isinstance(value, torch.Tensor) for state in self.optimizer.state.values()
-                                           for value in state.values())
+            initialize_optimizer = not any(
+                isinstance(value, torch.Tensor)
+                for state in self.optimizer.state.values()
+                for value in state.values()
+            )
         if initialize_optimizer:
             initialize_optimizer_state(self.optimizer)
         self._check_optimizer_state()
@@ -163,8 +183,12 @@ class TrainingStateAverager(DecentralizedAverager):
         self.delay_before_averaging = PerformanceEMA(alpha=performance_ema_alpha)
         self._opt_versions = [0, 0]  # [changes to the optimizer's copies, of them applied to the model]
         self._pending_result: tuple[str, list[torch.Tensor]] | None = None  # a round not applied yet
-        self._optimizer_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-optimizer")
-        self._averaging_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-averaging")
+        self._optimizer_executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="state-optimizer"
+        )
+        self._averaging_executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="state-averaging"
+        )
         self._last_optimizer_stage: concurrent.futures.Future | None = None
         self._last_averaging_stage: concurrent.futures.Future | None = None
         self._pending: set[concurrent.futures.Future] = set()
@@ -182,14 +206,18 @@ class TrainingStateAverager(DecentralizedAverager):
     def _make_optimizer(self, optimizer, params) -> tuple[torch.optim.Optimizer, tuple[torch.Tensor, ...]]:
         if isinstance(optimizer, torch.optim.Optimizer):
             if self.offload_optimizer:
-                raise ValueError("offload_optimizer needs an optimizer factory (e.g. "
-                                 "functools.partial(torch.optim.Adam, lr=1e-3)) to build it on the offloaded copies")
+                raise ValueError(
+                    "offload_optimizer needs an optimizer factory (e.g. "
+                    "functools.partial(torch.optim.Adam, lr=1e-3)) to build it on the offloaded copies"
+                )
             main = tuple(optimizer_parameters(optimizer))
             if params is not None and {id(p) for p in params} != {id(p) for p in main}:
                 raise ValueError("params differ from the optimizer's parameters; pass one or the other")
             return optimizer, main
         if not callable(optimizer):
-            raise TypeError(f"optimizer must be a torch optimizer or a factory, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be a torch optimizer or a factory, got {type(optimizer).__name__}"
+            )
         if params is None:
             raise ValueError("params are required when optimizer is a factory")
         groups = list(params)
@@ -215,34 +243,48 @@ class TrainingStateAverager(DecentralizedAverager):
             return None
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             if not callable(scheduler):
-                raise TypeError(f"scheduler must be an LR scheduler or a factory, got {type(scheduler).__name__}")
+                raise TypeError(
+                    f"scheduler must be an LR scheduler or a factory, got {type(scheduler).__name__}"
+                )
             scheduler = scheduler(self.optimizer)
         if getattr(scheduler, "optimizer", None) is not self.optimizer:
-            raise ValueError("the scheduler drives another optimizer; pass a factory (e.g. "
-                             "functools.partial(LambdaLR, lr_lambda=...)) so it is built on this one")
+            raise ValueError(
+                "the scheduler drives another optimizer; pass a factory (e.g. "
+                "functools.partial(LambdaLR, lr_lambda=...)) so it is built on this one"
+            )
         return scheduler
 
     def _check_optimizer_state(self) -> None:
         for key in self.opt_keys_for_averaging:
             for param, name in zip(optimizer_parameters(self.optimizer), self.parameter_names):
                 if not isinstance(self.optimizer.state.get(param, {}).get(key), torch.Tensor):
-                    raise ValueError(f"the optimizer has no statistic {key!r} for {name}; check "
-                                     f"average_opt_statistics or pass initialize_optimizer=True")
+                    raise ValueError(
+                        f"the optimizer has no statistic {key!r} for {name}; check "
+                        f"average_opt_statistics or pass initialize_optimizer=True"
+                    )
         try:
             MSGPackSerializer.dumps(flatten_optimizer_state(self.optimizer)[0])
         except SerializationError as error:
-            raise TypeError(f"{type(self.optimizer).__name__}'s state dict cannot be shared with peers: {error}") \
-                from None
+            raise TypeError(
+                f"{type(self.optimizer).__name__}'s state dict cannot be shared with peers: {error}"
+            ) from None
 
     def _tensor_infos(self) -> list[CompressionInfo]:
-        infos = [CompressionInfo.from_tensor(param, key=name, role=TensorRole.PARAMETER)
-                 for param, name in zip(self._optimized_parameters(), self.parameter_names)]
+        infos = [
+            CompressionInfo.from_tensor(param, key=name, role=TensorRole.PARAMETER)
+            for param, name in zip(self._optimized_parameters(), self.parameter_names)
+        ]
         for key in self.opt_keys_for_averaging:
             for param, name in zip(optimizer_parameters(self.optimizer), self.parameter_names):
-                infos.append(CompressionInfo.from_tensor(self.optimizer.state[param][key], key=(name, key),
-                                                         role=TensorRole.OPTIMIZER))
-        infos.extend(CompressionInfo.from_tensor(tensor, key=i, role=TensorRole.UNSPECIFIED)
-                     for i, tensor in enumerate(self.extra_tensors))
+                infos.append(
+                    CompressionInfo.from_tensor(
+                        self.optimizer.state[param][key], key=(name, key), role=TensorRole.OPTIMIZER
+                    )
+                )
+        infos.extend(
+            CompressionInfo.from_tensor(tensor, key=i, role=TensorRole.UNSPECIFIED)
+            for i, tensor in enumerate(self.extra_tensors)
+        )
         return infos
 
     # --- local tensors -----------------------------------------------------------------------------
@@ -254,7 +296,9 @@ class TrainingStateAverager(DecentralizedAverager):
     def _local_tensors(self) -> list[torch.Tensor]:
         """What is averaged, in order; looked up afresh because loading state replaces statistics."""
         params = self._optimized_parameters()
-        statistics = [self.optimizer.state[param][key] for key in self.opt_keys_for_averaging for param in params]
+        statistics = [
+            self.optimizer.state[param][key] for key in self.opt_keys_for_averaging for param in params
+        ]
         return [*params, *statistics, *self.extra_tensors]
 
     @property
@@ -341,14 +385,25 @@ class TrainingStateAverager(DecentralizedAverager):
             raise ValueError("the weight of a scheduled round is set through control.weight, not here")
         kwargs.pop("weight", None)
         kwargs.setdefault("gather", self.local_epoch)
-        return DecentralizedAverager.step(self, scheduled_time=scheduled_time, wait=False, require_trigger=True,
-                                          **kwargs)
+        return DecentralizedAverager.step(
+            self, scheduled_time=scheduled_time, wait=False, require_trigger=True, **kwargs
+        )
 
-    def step(self, wait_for_delayed_updates: bool | None = None, apply_delayed_updates: bool = True,
-             increment_epoch: bool = False, optimizer_step: bool = False, zero_grad: bool = False,
-             delay_optimizer_step: bool = False, averaging_round: bool = False, delay_averaging: bool | None = None,
-             averaging_control: StepControl | None = None, wait_for_trigger: Callable[[], Any] | None = None,
-             grad_scaler: Any = None, averaging_opts: dict | None = None):
+    def step(
+        self,
+        wait_for_delayed_updates: bool | None = None,
+        apply_delayed_updates: bool = True,
+        increment_epoch: bool = False,
+        optimizer_step: bool = False,
+        zero_grad: bool = False,
+        delay_optimizer_step: bool = False,
+        averaging_round: bool = False,
+        delay_averaging: bool | None = None,
+        averaging_control: StepControl | None = None,
+        wait_for_trigger: Callable[[], Any] | None = None,
+        grad_scaler: Any = None,
+        averaging_opts: dict | None = None,
+    ):
         """Do the requested actions in this order (each optional):
 
         1. wait for background work (`wait_for_delayed_updates`, default: when a round starts) and
@@ -368,10 +423,14 @@ class TrainingStateAverager(DecentralizedAverager):
         if delay_averaging is None:
             delay_averaging = delay_optimizer_step
         if delay_optimizer_step and not self.offload_optimizer:
-            raise ValueError("delay_optimizer_step needs offload_optimizer: otherwise the background step "
-                             "would change the model's parameters while the training loop uses them")
+            raise ValueError(
+                "delay_optimizer_step needs offload_optimizer: otherwise the background step "
+                "would change the model's parameters while the training loop uses them"
+            )
         if delay_optimizer_step and averaging_round and not delay_averaging:
-            raise ValueError("a round after a delayed optimizer step must be delayed too (delay_averaging=True)")
+            raise ValueError(
+                "a round after a delayed optimizer step must be delayed too (delay_averaging=True)"
+            )
         if averaging_control is not None and not averaging_round:
             raise ValueError("averaging_control is only used with averaging_round=True")
         if wait_for_trigger is not None and not (optimizer_step or zero_grad or averaging_round):
@@ -409,7 +468,14 @@ class TrainingStateAverager(DecentralizedAverager):
         if optimizer_step or zero_grad or wait_for_trigger is not None:
             after = None if self.delta_rule_averaging else self._last_averaging_stage
             optimizer_stage = self._optimizer_executor.submit(
-                self._optimizer_stage, after, wait_for_trigger, optimizer_step, zero_grad, grad_scaler, target_epoch)
+                self._optimizer_stage,
+                after,
+                wait_for_trigger,
+                optimizer_step,
+                zero_grad,
+                grad_scaler,
+                target_epoch,
+            )
             self._last_optimizer_stage = optimizer_stage
             self._pending.add(optimizer_stage)
         averaging_stage = None
@@ -417,7 +483,8 @@ class TrainingStateAverager(DecentralizedAverager):
             if averaging_control is not None:
                 self._controls.add(averaging_control)
             averaging_stage = self._averaging_executor.submit(
-                self._averaging_stage, optimizer_stage, averaging_control, time.monotonic(), averaging_opts)
+                self._averaging_stage, optimizer_stage, averaging_control, time.monotonic(), averaging_opts
+            )
             self._last_averaging_stage = averaging_stage
             self._pending.add(averaging_stage)
 
@@ -453,7 +520,9 @@ class TrainingStateAverager(DecentralizedAverager):
             for main in self.main_parameters:
                 main.grad = None
 
-    def _optimizer_stage(self, after, wait_for_trigger, optimizer_step, zero_grad, grad_scaler, epoch) -> None:
+    def _optimizer_stage(
+        self, after, wait_for_trigger, optimizer_step, zero_grad, grad_scaler, epoch
+    ) -> None:
         if after is not None:
             concurrent.futures.wait([after])
         if wait_for_trigger is not None:
@@ -485,7 +554,9 @@ class TrainingStateAverager(DecentralizedAverager):
 
     def _averaging_stage(self, optimizer_stage, control: StepControl | None, started: float, opts: dict):
         if control is not None and (control.triggered or control.done()):
-            logger.log(self.status_loglevel, f"Discarding a pre-scheduled round that already ended: {control}")
+            logger.log(
+                self.status_loglevel, f"Discarding a pre-scheduled round that already ended: {control}"
+            )
             self._controls.discard(control)
             control = None
         try:
@@ -493,7 +564,9 @@ class TrainingStateAverager(DecentralizedAverager):
                 try:
                     optimizer_stage.result()
                 except BaseException as error:
-                    logger.error(f"Cancelled the state averaging round: the optimizer stage failed with {error!r}")
+                    logger.error(
+                        f"Cancelled the state averaging round: the optimizer stage failed with {error!r}"
+                    )
                     if control is not None:
                         control.cancel()
                     return None
@@ -587,18 +660,33 @@ class TrainingStateAverager(DecentralizedAverager):
     def get_current_state(self):
         """(metadata, tensors, infos): parameters, extra tensors, optimizer state. Lock held by the caller."""
         optimizer_metadata, optimizer_tensors = flatten_optimizer_state(self.optimizer)
-        metadata = dict(epoch=self._state_epoch, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata)
+        metadata = dict(
+            epoch=self._state_epoch, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata
+        )
         params = self._optimized_parameters()
-        infos = [CompressionInfo.from_tensor(p, key=n, role=TensorRole.PARAMETER)
-                 for p, n in zip(params, self.parameter_names)]
-        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED)
-                  for i, t in enumerate(self.extra_tensors)]
-        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
-                  for i, t in enumerate(optimizer_tensors)]
+        infos = [
+            CompressionInfo.from_tensor(p, key=n, role=TensorRole.PARAMETER)
+            for p, n in zip(params, self.parameter_names)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.UNSPECIFIED)
+            for i, t in enumerate(self.extra_tensors)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
+            for i, t in enumerate(optimizer_tensors)
+        ]
         return metadata, [*params, *self.extra_tensors, *optimizer_tensors], infos
 
-    def load_state_from_peers(self, wait: bool = True, timeout: float | None = None, *, max_attempts: int = 3,
-                              retry_backoff: float = 1.0, min_epoch: int | None = None):
+    def load_state_from_peers(
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        *,
+        max_attempts: int = 3,
+        retry_backoff: float = 1.0,
+        min_epoch: int | None = None,
+    ):
         """Download the state of the most advanced peer and adopt it; blocking (training thread).
 
         Background work is finished first (a round not yet in its all-reduce is cancelled). Each
@@ -615,8 +703,14 @@ class TrainingStateAverager(DecentralizedAverager):
         """
         if not wait:
             executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="state-loader")
-            future = executor.submit(self.load_state_from_peers, True, timeout, max_attempts=max_attempts,
-                                     retry_backoff=retry_backoff, min_epoch=min_epoch)
+            future = executor.submit(
+                self.load_state_from_peers,
+                True,
+                timeout,
+                max_attempts=max_attempts,
+                retry_backoff=retry_backoff,
+                min_epoch=min_epoch,
+            )
             executor.shutdown(wait=False)
             return future
         if max_attempts < 1:
@@ -627,21 +721,28 @@ class TrainingStateAverager(DecentralizedAverager):
             failures = []
             for attempt in range(1, max_attempts + 1):
                 try:
-                    loaded = DecentralizedAverager.load_state_from_peers(self, wait=True, timeout=timeout,
-                                                                         min_priority=min_epoch)
+                    loaded = DecentralizedAverager.load_state_from_peers(
+                        self, wait=True, timeout=timeout, min_priority=min_epoch
+                    )
                     if loaded is None:
-                        logger.info(f"Nobody shares state under {self.prefix!r}; "
-                                    f"keeping ours (epoch {self.local_epoch})")
+                        logger.info(
+                            f"Nobody shares state under {self.prefix!r}; "
+                            f"keeping ours (epoch {self.local_epoch})"
+                        )
                         return False
                     return self._adopt_state(*loaded)
                 except (StateDownloadError, ValueError) as error:
                     failures.append(f"attempt {attempt}: {error}")
-                    logger.warning(f"Loading state from peers failed (attempt {attempt}/{max_attempts}): {error}")
+                    logger.warning(
+                        f"Loading state from peers failed (attempt {attempt}/{max_attempts}): {error}"
+                    )
                 if attempt < max_attempts:
                     time.sleep(retry_backoff * 2 ** (attempt - 1))
-            raise StateLoadError(f"could not load the training state under {self.prefix!r} after {max_attempts} "
-                                 f"attempts: {'; '.join(failures)}. Check that peers are online and train the "
-                                 f"same model with the same optimizer.")
+            raise StateLoadError(
+                f"could not load the training state under {self.prefix!r} after {max_attempts} "
+                f"attempts: {'; '.join(failures)}. Check that peers are online and train the "
+                f"same model with the same optimizer."
+            )
 
     @torch.no_grad()
     def _adopt_state(self, metadata: Any, tensors: Sequence[torch.Tensor]) -> bool:
@@ -651,21 +752,29 @@ class TrainingStateAverager(DecentralizedAverager):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"the donor sent an invalid epoch {epoch!r}")
         if epoch < self.local_epoch:
-            logger.warning(f"Refusing to load state from a peer at epoch {epoch}: we are at epoch {self.local_epoch}")
+            logger.warning(
+                f"Refusing to load state from a peer at epoch {epoch}: we are at epoch {self.local_epoch}"
+            )
             return False
         params = self._optimized_parameters()
         num_params, num_extra = len(params), len(self.extra_tensors)
         if len(tensors) < num_params + num_extra:
-            raise ValueError(f"the donor sent {len(tensors)} tensors, fewer than our {num_params} parameters "
-                             f"and {num_extra} extra tensors")
-        loaded_params, loaded_extra = tensors[:num_params], tensors[num_params:num_params + num_extra]
-        for name, ours, theirs in [*zip(self.parameter_names, params, loaded_params),
-                                   *((f"extra tensor {i}", t, l) for i, (t, l) in
-                                     enumerate(zip(self.extra_tensors, loaded_extra)))]:
+            raise ValueError(
+                f"the donor sent {len(tensors)} tensors, fewer than our {num_params} parameters "
+                f"and {num_extra} extra tensors"
+            )
+        loaded_params, loaded_extra = tensors[:num_params], tensors[num_params : num_params + num_extra]
+        for name, ours, theirs in [
+            *zip(self.parameter_names, params, loaded_params),
+            *((f"extra tensor {i}", t, l) for i, (t, l) in enumerate(zip(self.extra_tensors, loaded_extra))),
+        ]:
             if ours.shape != theirs.shape:
-                raise ValueError(f"the donor's {name} has shape {tuple(theirs.shape)}, ours is {tuple(ours.shape)}")
-        optimizer_state = unflatten_optimizer_state(metadata.get("optimizer_metadata"),
-                                                    tensors[num_params + num_extra:], self.optimizer)
+                raise ValueError(
+                    f"the donor's {name} has shape {tuple(theirs.shape)}, ours is {tuple(ours.shape)}"
+                )
+        optimizer_state = unflatten_optimizer_state(
+            metadata.get("optimizer_metadata"), tensors[num_params + num_extra :], self.optimizer
+        )
         group_bits = metadata.get("group_bits")
         with self.get_tensors():
             for main, param, new in zip(self.main_parameters, params, loaded_params):
@@ -695,8 +804,10 @@ class TrainingStateAverager(DecentralizedAverager):
         super().shutdown()
 
     def __repr__(self) -> str:
-        return (f"<TrainingStateAverager {self.prefix} epoch={self.local_epoch} "
-                f"offload={self.offload_optimizer} delta={self.delta_rule_averaging}>")
+        return (
+            f"<TrainingStateAverager {self.prefix} epoch={self.local_epoch} "
+            f"offload={self.offload_optimizer} delta={self.delta_rule_averaging}>"
+        )
 
 
 def _as_params(params) -> Iterable[torch.Tensor]:

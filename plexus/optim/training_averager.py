@@ -47,10 +47,18 @@ class TrainingAverager(DecentralizedAverager):
         **averager_kwargs: `prefix`, `start`, `target_group_size`, ... for DecentralizedAverager.
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, *, average_parameters: bool, average_gradients: bool,
-                 average_opt_statistics: Sequence[str] = (), extra_tensors: Sequence[torch.Tensor] = (),
-                 parameter_names: Sequence[str] | None = None, initialize_optimizer: bool = True,
-                 **averager_kwargs):
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        *,
+        average_parameters: bool,
+        average_gradients: bool,
+        average_opt_statistics: Sequence[str] = (),
+        extra_tensors: Sequence[torch.Tensor] = (),
+        parameter_names: Sequence[str] | None = None,
+        initialize_optimizer: bool = True,
+        **averager_kwargs,
+    ):
         self.opt, self.extra_tensors, self.local_step = opt, tuple(extra_tensors), 0
         self.average_parameters, self.average_gradients = average_parameters, average_gradients
         self.opt_statistics = tuple(average_opt_statistics)
@@ -77,8 +85,10 @@ class TrainingAverager(DecentralizedAverager):
         if self.average_gradients:
             for param in params:
                 if param.grad is None:
-                    raise RuntimeError("a parameter lost its .grad (set_to_none?); average_gradients needs "
-                                       "gradient buffers: use opt.zero_grad(set_to_none=False)")
+                    raise RuntimeError(
+                        "a parameter lost its .grad (set_to_none?); average_gradients needs "
+                        "gradient buffers: use opt.zero_grad(set_to_none=False)"
+                    )
                 tensors.append(param.grad)
         for key in self.opt_statistics:
             tensors.extend(self.opt.state[param][key] for param in params)
@@ -94,7 +104,10 @@ class TrainingAverager(DecentralizedAverager):
         for stat in self.opt_statistics:
             keys += [((name, stat), TensorRole.OPTIMIZER) for name in names]
         keys += [(i, TensorRole.UNSPECIFIED) for i in range(len(self.extra_tensors))]
-        return [CompressionInfo.from_tensor(buffer, key=key, role=role) for buffer, (key, role) in zip(buffers, keys)]
+        return [
+            CompressionInfo.from_tensor(buffer, key=key, role=role)
+            for buffer, (key, role) in zip(buffers, keys)
+        ]
 
     def step(self, data_lock: Any = None, wait: bool = True, **kwargs):
         """Average once; returns the group's {peer_id: gathered} (or a future of it with `wait=False`).
@@ -110,7 +123,9 @@ class TrainingAverager(DecentralizedAverager):
             with torch.no_grad(), data_lock, self.get_tensors() as averaged:
                 local = self.local_tensors()
                 if len(local) != len(averaged):
-                    raise RuntimeError(f"the number of averaged tensors changed: {len(local)} != {len(averaged)}")
+                    raise RuntimeError(
+                        f"the number of averaged tensors changed: {len(local)} != {len(averaged)}"
+                    )
                 for buffer, tensor in zip(averaged, local):
                     buffer.copy_(tensor)
                 copied = [buffer.clone() for buffer in averaged]
@@ -125,11 +140,17 @@ class TrainingAverager(DecentralizedAverager):
         """Parameters and optimizer state, with {step, group_bits, optimizer_metadata}."""
         optimizer_metadata, optimizer_tensors = flatten_optimizer_state(self.opt)
         params = optimizer_parameters(self.opt)
-        metadata = dict(step=self.local_step, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata)
-        infos = [CompressionInfo.from_tensor(p, key=n, role=TensorRole.PARAMETER)
-                 for p, n in zip(params, self.parameter_names)]
-        infos += [CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
-                  for i, t in enumerate(optimizer_tensors)]
+        metadata = dict(
+            step=self.local_step, group_bits=self.get_group_bits(), optimizer_metadata=optimizer_metadata
+        )
+        infos = [
+            CompressionInfo.from_tensor(p, key=n, role=TensorRole.PARAMETER)
+            for p, n in zip(params, self.parameter_names)
+        ]
+        infos += [
+            CompressionInfo.from_tensor(t, key=i, role=TensorRole.OPTIMIZER)
+            for i, t in enumerate(optimizer_tensors)
+        ]
         return metadata, [*params, *optimizer_tensors], infos
 
     @torch.no_grad()
@@ -150,8 +171,12 @@ class TrainingAverager(DecentralizedAverager):
             raise ValueError("the donor's state does not fit this optimizer")
         for param, new in zip(params, tensors):
             if param.shape != new.shape:
-                raise ValueError(f"a donor parameter has shape {tuple(new.shape)}, ours is {tuple(param.shape)}")
-        state = unflatten_optimizer_state(metadata.get("optimizer_metadata"), tensors[len(params):], self.opt)
+                raise ValueError(
+                    f"a donor parameter has shape {tuple(new.shape)}, ours is {tuple(param.shape)}"
+                )
+        state = unflatten_optimizer_state(
+            metadata.get("optimizer_metadata"), tensors[len(params) :], self.opt
+        )
         with self.get_tensors():
             for param, new in zip(params, tensors):
                 param.copy_(new)

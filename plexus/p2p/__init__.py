@@ -2,8 +2,14 @@
 private swarms."""
 
 from . import rpc
-from .auth import (AccessToken, AuthorizationError, AuthorizerBase, SignedTokenAuthorizer, TokenAuthority,
-                   TokenAuthorizerBase)
+from .auth import (
+    AccessToken,
+    AuthorizationError,
+    AuthorizerBase,
+    SignedTokenAuthorizer,
+    TokenAuthority,
+    TokenAuthorizerBase,
+)
 from .host import DialError, Host, HostOptions, PeerInfo
 from .identity import PeerID, PrivateKey, PublicKey, load_or_create_identity
 from .multiaddr import Multiaddr, MultiaddrError
@@ -11,9 +17,26 @@ from .rpc import RPCError
 from .stream import Stream, StreamClosedError, StreamError, StreamResetError
 
 __all__ = [
-    "AccessToken", "AuthorizationError", "AuthorizerBase", "SignedTokenAuthorizer", "TokenAuthority",
-    "TokenAuthorizerBase", "DialError", "Host", "HostOptions", "Multiaddr", "MultiaddrError", "PeerID",
-    "PeerInfo", "PrivateKey",
-    "PublicKey", "RPCError", "Stream", "StreamClosedError", "StreamError", "StreamResetError",
-    "load_or_create_identity", "rpc",
+    "AccessToken",
+    "AuthorizationError",
+    "AuthorizerBase",
+    "SignedTokenAuthorizer",
+    "TokenAuthority",
+    "TokenAuthorizerBase",
+    "DialError",
+    "Host",
+    "HostOptions",
+    "Multiaddr",
+    "MultiaddrError",
+    "PeerID",
+    "PeerInfo",
+    "PrivateKey",
+    "PublicKey",
+    "RPCError",
+    "Stream",
+    "StreamClosedError",
+    "StreamError",
+    "StreamResetError",
+    "load_or_create_identity",
+    "rpc",
 ]

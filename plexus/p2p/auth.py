@@ -88,9 +88,11 @@ class AuthorizerBase(abc.ABC):
         if self.local_private_key is None:
             self.local_private_key = private_key
         elif self.local_private_key.peer_id != private_key.peer_id:
-            raise UsageError("the authorizer's local_private_key is not the host's identity: a token for "
-                             "it would not match the key our connections authenticate. Pass the same key "
-                             "or none")
+            raise UsageError(
+                "the authorizer's local_private_key is not the host's identity: a token for "
+                "it would not match the key our connections authenticate. Pass the same key "
+                "or none"
+            )
 
     @property
     def local_public_key(self) -> PublicKey:
@@ -145,8 +147,9 @@ class TokenAuthorizerBase(AuthorizerBase):
             if token is None or self.does_token_need_refreshing(token):
                 token = await self.get_token()
                 if token.public_key != self.local_public_key.to_protobuf():
-                    raise UsageError("get_token() returned a token for another key than ours "
-                                     "(local_public_key)")
+                    raise UsageError(
+                        "get_token() returned a token for another key than ours (local_public_key)"
+                    )
                 self._local_access_token = token
 
     async def credentials(self) -> bytes:
@@ -157,15 +160,20 @@ class TokenAuthorizerBase(AuthorizerBase):
         try:
             token = AccessToken.decode(credentials)
         except MessageError as error:
-            raise AuthorizationError(f"malformed access token: {error}", peer=peer,
-                                     protocol=AUTH_PROTOCOL) from None
+            raise AuthorizationError(
+                f"malformed access token: {error}", peer=peer, protocol=AUTH_PROTOCOL
+            ) from None
         if token.public_key != public_key.to_protobuf():
-            raise AuthorizationError("the access token names another key than this connection's",
-                                     peer=peer, protocol=AUTH_PROTOCOL)
+            raise AuthorizationError(
+                "the access token names another key than this connection's", peer=peer, protocol=AUTH_PROTOCOL
+            )
         if not self.is_token_valid(token):
             now = get_dht_time()
-            reason = f"the access token expired at {token.expiration_time:.0f} (now {now:.0f})" \
-                if token.expiration_time <= now else "the access token is not signed by this run's authority"
+            reason = (
+                f"the access token expired at {token.expiration_time:.0f} (now {now:.0f})"
+                if token.expiration_time <= now
+                else "the access token is not signed by this run's authority"
+            )
             raise AuthorizationError(reason, peer=peer, protocol=AUTH_PROTOCOL)
         return token.expiration_time
 
@@ -191,13 +199,22 @@ class TokenAuthority:
     def public_key(self) -> PublicKey:
         return self.private_key.public_key
 
-    def issue(self, peer_public_key: PublicKey, username: str = "", lifetime: float = 3600.0,
-              now: float | None = None) -> AccessToken:
+    def issue(
+        self,
+        peer_public_key: PublicKey,
+        username: str = "",
+        lifetime: float = 3600.0,
+        now: float | None = None,
+    ) -> AccessToken:
         """A token letting the holder of `peer_public_key` in for `lifetime` seconds from `now`."""
         now = get_dht_time() if now is None else now
         token = AccessToken(username, peer_public_key.to_protobuf(), now + lifetime)
-        return AccessToken(token.username, token.public_key, token.expiration_time,
-                           self.private_key.sign(token.signed_bytes()))
+        return AccessToken(
+            token.username,
+            token.public_key,
+            token.expiration_time,
+            self.private_key.sign(token.signed_bytes()),
+        )
 
 
 class SignedTokenAuthorizer(TokenAuthorizerBase):
@@ -211,9 +228,14 @@ class SignedTokenAuthorizer(TokenAuthorizerBase):
         refresh_before: ask for a new token when ours expires within this many seconds.
     """
 
-    def __init__(self, authority_public_key: PublicKey,
-                 get_token: Callable[[PublicKey], AccessToken | Awaitable[AccessToken]], *,
-                 local_private_key: PrivateKey | None = None, refresh_before: float = 60.0):
+    def __init__(
+        self,
+        authority_public_key: PublicKey,
+        get_token: Callable[[PublicKey], AccessToken | Awaitable[AccessToken]],
+        *,
+        local_private_key: PrivateKey | None = None,
+        refresh_before: float = 60.0,
+    ):
         super().__init__(local_private_key)
         self.authority_public_key, self._get_token = authority_public_key, get_token
         self.refresh_before = refresh_before
@@ -223,8 +245,9 @@ class SignedTokenAuthorizer(TokenAuthorizerBase):
         return await token if inspect.isawaitable(token) else token
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
-        return access_token.expiration_time > get_dht_time() and \
-            self.authority_public_key.verify(access_token.signature, access_token.signed_bytes())
+        return access_token.expiration_time > get_dht_time() and self.authority_public_key.verify(
+            access_token.signature, access_token.signed_bytes()
+        )
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         return access_token.expiration_time - get_dht_time() < self.refresh_before
@@ -301,16 +324,25 @@ class AuthGate:
                 state.ours_refusal, state.ours_until = None, max(state.ours_until, answer.expiration_time)
             else:
                 state.ours_refusal = answer.reason or "refused"
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError, MessageError,
-                asyncio.IncompleteReadError) as error:
-            state.ours_refusal = f"it did not answer our access token ({error!r}): it is no member of " \
-                                 f"this swarm"
+        except (
+            TimeoutError,
+            ProtocolError,
+            StreamError,
+            ConnectionError,
+            MessageError,
+            asyncio.IncompleteReadError,
+        ) as error:
+            state.ours_refusal = (
+                f"it did not answer our access token ({error!r}): it is no member of this swarm"
+            )
             if stream is not None:
                 stream.reset()
         state.ours_answered.set()
         if state.ours_refusal is not None:
-            self.host.refused(("our token refused", connection.remote_peer),
-                              f"{connection.remote_peer} did not take our access token: {state.ours_refusal}")
+            self.host.refused(
+                ("our token refused", connection.remote_peer),
+                f"{connection.remote_peer} did not take our access token: {state.ours_refusal}",
+            )
 
     async def _renew(self) -> None:
         while True:
@@ -332,16 +364,25 @@ class AuthGate:
         except TimeoutError:
             pass
         if state.theirs_until <= get_dht_time():  # first: refused, it may have left before answering us
-            reason = state.theirs_refusal or ("its access token expired" if state.theirs_until else
-                                              f"it presented no access token within {self.timeout} s")
-            raise AuthorizationError(f"{peer} is not a member of this swarm: {reason}", peer=peer,
-                                     protocol=AUTH_PROTOCOL)
+            reason = state.theirs_refusal or (
+                "its access token expired"
+                if state.theirs_until
+                else f"it presented no access token within {self.timeout} s"
+            )
+            raise AuthorizationError(
+                f"{peer} is not a member of this swarm: {reason}", peer=peer, protocol=AUTH_PROTOCOL
+            )
         if state.ours_refusal is not None:
-            raise AuthorizationError(f"{peer} refused our access token: {state.ours_refusal}",
-                                     peer=peer, protocol=AUTH_PROTOCOL)
+            raise AuthorizationError(
+                f"{peer} refused our access token: {state.ours_refusal}", peer=peer, protocol=AUTH_PROTOCOL
+            )
         if state.ours_until <= get_dht_time():
-            raise AuthorizationError(f"our access token expired at {state.ours_until:.0f} and the authorizer "
-                                     f"gave us no new one yet", peer=peer, protocol=AUTH_PROTOCOL)
+            raise AuthorizationError(
+                f"our access token expired at {state.ours_until:.0f} and the authorizer "
+                f"gave us no new one yet",
+                peer=peer,
+                protocol=AUTH_PROTOCOL,
+            )
 
     # --- theirs --------------------------------------------------------------------------------------
 
@@ -376,8 +417,10 @@ class AuthGate:
         except TimeoutError:
             state.theirs_refusal = f"it presented no access token within {self.timeout} s"
         if state.theirs_until <= get_dht_time() and not connection.is_closed:
-            self.host.refused(("unauthorized connection", connection.remote_peer),
-                              f"closing the connection from {connection.remote_peer}: {state.theirs_refusal}")
+            self.host.refused(
+                ("unauthorized connection", connection.remote_peer),
+                f"closing the connection from {connection.remote_peer}: {state.theirs_refusal}",
+            )
             await connection.close()
 
     async def admit(self, stream) -> str | None:

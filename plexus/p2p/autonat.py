@@ -31,8 +31,9 @@ REQUEST_TIMEOUT = 15.0
 
 
 class AutoNATService:
-    def __init__(self, host: Host, *, dial_timeout: float = 5.0, max_concurrent: int = 4,
-                 peer_interval: float = 10.0):
+    def __init__(
+        self, host: Host, *, dial_timeout: float = 5.0, max_concurrent: int = 4, peer_interval: float = 10.0
+    ):
         self.host, self.dial_timeout = host, dial_timeout
         self.max_concurrent, self.peer_interval = max_concurrent, peer_interval
         self._busy = 0
@@ -65,20 +66,29 @@ class AutoNATService:
             return DialResponse(ResponseStatus.E_BAD_REQUEST, str(error))
         peer, connection = stream.remote_peer, stream.connection
         if request.peer != peer:
-            return DialResponse(ResponseStatus.E_BAD_REQUEST, "the request names another peer than the sender")
+            return DialResponse(
+                ResponseStatus.E_BAD_REQUEST, "the request names another peer than the sender"
+            )
         if getattr(connection, "relayed", False):
-            return DialResponse(ResponseStatus.E_DIAL_REFUSED, "requests over relayed connections are refused")
+            return DialResponse(
+                ResponseStatus.E_DIAL_REFUSED, "requests over relayed connections are refused"
+            )
         addrs, refused = dial_rule.dialable(self.host, peer, request.addrs)
         if not addrs:
-            self.host.refused(("autonat addresses", peer), f"AutoNAT: not dialing {peer} back: "
-                                                           f"{'; '.join(refused) or 'it named no address'}")
+            self.host.refused(
+                ("autonat addresses", peer),
+                f"AutoNAT: not dialing {peer} back: {'; '.join(refused) or 'it named no address'}",
+            )
             text = "no address we may dial you at (we dial only your observed IP): " + "; ".join(refused)
             return DialResponse(ResponseStatus.E_DIAL_REFUSED, text[:500])
         now = time.monotonic()
         if self._busy >= self.max_concurrent or now - self._last_request.get(peer, -1e9) < self.peer_interval:
-            self.host.refused(("autonat rate", peer), f"AutoNAT: refused a dial-back to {peer}: it asked "
-                                                      f"again within {self.peer_interval} s, or {self._busy} "
-                                                      f"are under way")
+            self.host.refused(
+                ("autonat rate", peer),
+                f"AutoNAT: refused a dial-back to {peer}: it asked "
+                f"again within {self.peer_interval} s, or {self._busy} "
+                f"are under way",
+            )
             return DialResponse(ResponseStatus.E_DIAL_REFUSED, "too many requests; try again later")
         self._last_request[peer] = now
         if len(self._last_request) > 1024:
@@ -90,8 +100,12 @@ class AutoNATService:
             self._busy -= 1
 
     async def _dial_back(self, peer: PeerID, addrs: list[Multiaddr]) -> DialResponse:
-        prober = await Host(PrivateKey.generate(), host_maddrs=(), dial_timeout=self.dial_timeout,
-                            swarm_key=self.host.options.swarm_key).start()
+        prober = await Host(
+            PrivateKey.generate(),
+            host_maddrs=(),
+            dial_timeout=self.dial_timeout,
+            swarm_key=self.host.options.swarm_key,
+        ).start()
         try:
             for addr in addrs:
                 try:
@@ -99,7 +113,9 @@ class AutoNATService:
                     return DialResponse(ResponseStatus.OK, addr=addr.to_bytes())
                 except (OSError, TimeoutError, ProtocolError, ConnectionError) as error:
                     logger.debug(f"AutoNAT dial-back to {addr} failed: {error!r}")
-            return DialResponse(ResponseStatus.E_DIAL_ERROR, f"could not reach any of {len(addrs)} address(es)")
+            return DialResponse(
+                ResponseStatus.E_DIAL_ERROR, f"could not reach any of {len(addrs)} address(es)"
+            )
         finally:
             await prober.shutdown()
 
@@ -145,9 +161,14 @@ class AutoNAT:
     async def probe(self, servers: list[PeerID] | None = None, max_servers: int = 5) -> Reachability:
         """Ask up to `max_servers` directly connected peers at once; returns the verdict."""
         if servers is None:
-            servers = [peer for peer in self.host.connected_peers()
-                       if not getattr(self.host.get_connection(peer), "relayed", False)]
-        results = await asyncio.gather(*(self.ask(peer) for peer in servers[:max_servers]), return_exceptions=True)
+            servers = [
+                peer
+                for peer in self.host.connected_peers()
+                if not getattr(self.host.get_connection(peer), "relayed", False)
+            ]
+        results = await asyncio.gather(
+            *(self.ask(peer) for peer in servers[:max_servers]), return_exceptions=True
+        )
         for peer, result in zip(servers, results):
             if isinstance(result, BaseException):
                 logger.debug(f"AutoNAT request to {peer} failed: {result!r}")

@@ -85,10 +85,18 @@ class ConnectionClosedError(ConnectionError):
 class Connection(asyncio.BufferedProtocol):
     """A secured, multiplexed connection to one peer. Created by the Host."""
 
-    def __init__(self, local_key: PrivateKey, *, initiator: bool, expected_peer: PeerID | None = None,
-                 on_stream=None, on_close=None, max_streams: int = 512,
-                 noise_suites: tuple[CipherSuite, ...] = tuple(SUITES.values()),
-                 decrypt_buffers: DecryptBuffers | None = None):
+    def __init__(
+        self,
+        local_key: PrivateKey,
+        *,
+        initiator: bool,
+        expected_peer: PeerID | None = None,
+        on_stream=None,
+        on_close=None,
+        max_streams: int = 512,
+        noise_suites: tuple[CipherSuite, ...] = tuple(SUITES.values()),
+        decrypt_buffers: DecryptBuffers | None = None,
+    ):
         self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
         self.noise_suites = noise_suites  # most preferred first
         self.noise_suite: CipherSuite | None = None  # the one agreed on
@@ -108,13 +116,17 @@ class Connection(asyncio.BufferedProtocol):
         self._buffer = memory[:RECEIVE_BUFFER_SIZE]
         self._view = self._buffer
         self._start = self._end = 0
-        self._decrypt_buffers = decrypt_buffers or host_decrypt_buffers()  # a connection without a host: its own
+        self._decrypt_buffers = (
+            decrypt_buffers or host_decrypt_buffers()
+        )  # a connection without a host: its own
         self._data_arrived = asyncio.Event()
         self._made = asyncio.Event()
         self._eof_received = False
         self._noise: NoiseTransport | None = None
         self._yamux: yamux.YamuxSession | None = None
-        self._outputs = BufferPool(NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18), MAX_OUTPUT_BUFFERS)
+        self._outputs = BufferPool(
+            NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18), MAX_OUTPUT_BUFFERS
+        )
         self._out = self._outputs.get()
         self._staging = memory[RECEIVE_BUFFER_SIZE:]
         self._can_write = asyncio.Event()
@@ -178,8 +190,12 @@ class Connection(asyncio.BufferedProtocol):
             await self._made.wait()
             suites = {suite.protocol_id: suite for suite in self.noise_suites}
             self.noise_suite = suites[await self._negotiate_plaintext(list(suites))]
-            handshake = NoiseHandshake(self.local_key, initiator=self.initiator, expected_peer=self.expected_peer,
-                                       suite=self.noise_suite)
+            handshake = NoiseHandshake(
+                self.local_key,
+                initiator=self.initiator,
+                expected_peer=self.expected_peer,
+                suite=self.noise_suite,
+            )
             self._write_raw(handshake.data_to_send())
             while not handshake.complete:
                 handshake.receive_data(await self._read_raw())
@@ -216,7 +232,9 @@ class Connection(asyncio.BufferedProtocol):
     async def _read_raw(self) -> bytes:
         while self._start == self._end:
             if self._eof_received or self.phase is Phase.CLOSED:
-                raise ConnectionClosedError(self.close_reason or "peer closed the connection during the upgrade")
+                raise ConnectionClosedError(
+                    self.close_reason or "peer closed the connection during the upgrade"
+                )
             self._data_arrived.clear()
             await self._data_arrived.wait()
         data = bytes(self._view[self._start : self._end])
@@ -232,7 +250,9 @@ class Connection(asyncio.BufferedProtocol):
                 if produced:
                     return plain[:produced]
             if self._eof_received or self.phase is Phase.CLOSED:
-                raise ConnectionClosedError(self.close_reason or "peer closed the connection during the upgrade")
+                raise ConnectionClosedError(
+                    self.close_reason or "peer closed the connection during the upgrade"
+                )
             self._data_arrived.clear()
             await self._data_arrived.wait()
 
@@ -472,4 +492,3 @@ class Connection(asyncio.BufferedProtocol):
     def __repr__(self) -> str:
         peer = self.remote_peer.short() if self.remote_peer else "?"
         return f"<Connection {peer} {self.remote_addr} {self.phase.value} streams={len(self.streams)}>"
-

@@ -53,8 +53,10 @@ class HolePuncher:
     def start(self) -> "HolePuncher":
         self.host.set_stream_handler(core.PROTOCOL, self._serve, max_per_peer=1)
         if not self.host.options.reuse_port and self.host.get_listen_maddrs():
-            logger.debug("the host's listeners do not share their ports (HostOptions.reuse_port): "
-                         "hole punching will dial from other ports")
+            logger.debug(
+                "the host's listeners do not share their ports (HostOptions.reuse_port): "
+                "hole punching will dial from other ports"
+            )
         return self
 
     async def stop(self) -> None:
@@ -144,12 +146,22 @@ class HolePuncher:
                     punched = await self._dial(peer, dial.addrs, noise_initiator=True)
                     if punched is not None or self._has_direct(peer):  # or its SYN reached our listener
                         await stream.close()
-                        return self._record(peer, f"direct after {punch.attempts} attempt(s), "
-                                                  f"relay rtt {punch.rtt * 1000:.1f} ms")
+                        return self._record(
+                            peer,
+                            f"direct after {punch.attempts} attempt(s), relay rtt {punch.rtt * 1000:.1f} ms",
+                        )
                     if not punch.retry():
                         await stream.close()
-                        return self._record(peer, f"failed after {punch.attempts} attempts; staying on the relay")
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
+                        return self._record(
+                            peer, f"failed after {punch.attempts} attempts; staying on the relay"
+                        )
+        except (
+            TimeoutError,
+            ProtocolError,
+            StreamError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+        ) as error:
             if stream is not None:
                 stream.reset()
             return self._record(peer, f"failed: {error!r}; staying on the relay")
@@ -167,8 +179,9 @@ class HolePuncher:
     async def _serve(self, stream: Stream) -> None:
         peer = stream.remote_peer
         if not getattr(stream.connection, "relayed", False):
-            self.host.refused(("dcutr direct", peer), f"refused hole punching with {peer} over a direct "
-                                                      f"connection")
+            self.host.refused(
+                ("dcutr direct", peer), f"refused hole punching with {peer} over a direct connection"
+            )
             stream.reset()
             return
         punch = core.HolePunch(False, self.our_addrs())
@@ -196,12 +209,15 @@ class HolePuncher:
     async def _dial(self, peer: PeerID, raw_addrs, *, noise_initiator: bool) -> Connection | None:
         allowed, refused = dial_rule.dialable(self.host, peer, raw_addrs)
         if refused:
-            self.host.refused(("dcutr addresses", peer), f"hole punching with {peer}: not dialing "
-                                                         f"{'; '.join(refused)}")
+            self.host.refused(
+                ("dcutr addresses", peer), f"hole punching with {peer}: not dialing {'; '.join(refused)}"
+            )
         targets = [parse_host_port(addr) for addr in allowed]
         if not targets:
             return None
-        attempts = [asyncio.ensure_future(self._dial_one(peer, target, noise_initiator)) for target in targets]
+        attempts = [
+            asyncio.ensure_future(self._dial_one(peer, target, noise_initiator)) for target in targets
+        ]
         try:
             for next_done in asyncio.as_completed(attempts):
                 connection = await next_done

@@ -49,7 +49,7 @@ def foreign_addrs(host, peer: PeerID) -> set[tuple[str, int]]:
         if other == peer:
             continue
         info = host.peer_info(other)
-        for addr in (info.addrs if info else []):
+        for addr in info.addrs if info else []:
             endpoints.add(_endpoint(addr))
         for connection in host.connections_to(other):
             if connection.remote_addr is not None and not getattr(connection, "relayed", False):

@@ -69,8 +69,14 @@ class PeerInfo:
 class Host:
     """A libp2p peer speaking TCP + Noise + yamux, with identify and ping."""
 
-    def __init__(self, private_key: PrivateKey | None = None, options: HostOptions | None = None, *,
-                 authorizer: AuthorizerBase | None = None, **kwargs):
+    def __init__(
+        self,
+        private_key: PrivateKey | None = None,
+        options: HostOptions | None = None,
+        *,
+        authorizer: AuthorizerBase | None = None,
+        **kwargs,
+    ):
         """
         Args:
             options: the host's bounds and settings (or pass HostOptions' fields as keyword arguments).
@@ -91,9 +97,13 @@ class Host:
         self._running = False
         options = self.options
         self._inbound = InboundConnections(
-            max_total=options.max_connections, max_pending=options.max_pending_connections,
-            per_ip=options.max_connections_per_ip, per_subnet=options.max_connections_per_subnet,
-            rate_per_ip=options.max_connection_rate_per_ip, exempt_networks=options.limit_exempt_networks)
+            max_total=options.max_connections,
+            max_pending=options.max_pending_connections,
+            per_ip=options.max_connections_per_ip,
+            per_subnet=options.max_connections_per_subnet,
+            rate_per_ip=options.max_connection_rate_per_ip,
+            exempt_networks=options.limit_exempt_networks,
+        )
         self._tickets: dict[Connection, InboundTicket] = {}
         self._inbound_streams = Counter()  # by peer, and by (peer, protocol)
         self._refusals = RateLimitedLog(logger)
@@ -116,7 +126,10 @@ class Host:
         for text in self.options.host_maddrs:
             host, port, family = parse_host_port(Multiaddr(text))
             server = await loop.create_server(
-                lambda: self._accept(), host, port, family=socket.AF_INET6 if family == "ip6" else socket.AF_INET,
+                lambda: self._accept(),
+                host,
+                port,
+                family=socket.AF_INET6 if family == "ip6" else socket.AF_INET,
                 reuse_address=True,
             )
             self._servers.append(server)
@@ -225,8 +238,11 @@ class Host:
         """An accepted socket: refuse it at once if its source is past a bound, else start its upgrade."""
         peername = transport.get_extra_info("peername")
         ip = peername[0] if peername else None
-        ticket, refusal = self._inbound.admit(ip, asyncio.get_running_loop().time()) if self._running else \
-            (None, "the host is shutting down")
+        ticket, refusal = (
+            self._inbound.admit(ip, asyncio.get_running_loop().time())
+            if self._running
+            else (None, "the host is shutting down")
+        )
         if ticket is None:
             self.refused(("inbound connection", ip), f"refused an inbound connection from {ip}: {refusal}")
             transport.abort()
@@ -255,9 +271,12 @@ class Host:
         if connection.is_closed:
             return
         if not connection.initiator and len(self._connections.get(peer, ())) >= limit:
-            self.refused(("connections per peer", peer), f"closed a new connection from {peer} at "
-                                                          f"{connection.remote_addr}: it already has {limit} "
-                                                          f"(max_connections_per_peer)")
+            self.refused(
+                ("connections per peer", peer),
+                f"closed a new connection from {peer} at "
+                f"{connection.remote_addr}: it already has {limit} "
+                f"(max_connections_per_peer)",
+            )
             connection.abort("too many connections from this peer")
             return
         self._connections.setdefault(connection.remote_peer, []).append(connection)
@@ -291,11 +310,16 @@ class Host:
 
     def make_connection(self, *, initiator: bool, expected_peer: PeerID | None = None) -> Connection:
         """A Connection wired to this host's stream handlers, for a transport to drive and upgrade."""
-        return Connection(self.private_key, initiator=initiator, expected_peer=expected_peer,
-                          on_stream=self._on_stream, on_close=self._on_close,
-                          max_streams=self.options.max_streams_per_connection,
-                          noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers),
-                          decrypt_buffers=self._decrypt_buffers)
+        return Connection(
+            self.private_key,
+            initiator=initiator,
+            expected_peer=expected_peer,
+            on_stream=self._on_stream,
+            on_close=self._on_close,
+            max_streams=self.options.max_streams_per_connection,
+            noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers),
+            decrypt_buffers=self._decrypt_buffers,
+        )
 
     def protect(self, connection: Connection) -> asyncio.BufferedProtocol:
         """What a transport must drive for `connection`: the connection itself, or in a private network
@@ -327,7 +351,9 @@ class Host:
             addr = Multiaddr(target) if isinstance(target, str) else target
             peer_id = addr.peer_id
             if peer_id is None:
-                raise DialError(f"cannot dial {addr}: it has no /p2p/<peer id> part, so the peer cannot be authenticated")
+                raise DialError(
+                    f"cannot dial {addr}: it has no /p2p/<peer id> part, so the peer cannot be authenticated"
+                )
             addrs = [addr.without_peer_id()]
         if peer_id == self.peer_id:
             raise DialError("refusing to dial ourselves")
@@ -340,7 +366,9 @@ class Host:
             raise DialError(f"{peer_id} is being looked up; its address is not known yet")
         dial = self._pending_dials.get(peer_id)
         if dial is None:
-            dial = self._pending_dials[peer_id] = asyncio.get_running_loop().create_task(self._dial(peer_id, addrs))
+            dial = self._pending_dials[peer_id] = asyncio.get_running_loop().create_task(
+                self._dial(peer_id, addrs)
+            )
             dial.add_done_callback(lambda task: self._dial_done(peer_id, task))
         async with asyncio.timeout(timeout):
             return await asyncio.shield(dial)
@@ -404,16 +432,18 @@ class Host:
                 for connection in list(connections):
                     quiet = now - connection.last_activity
                     if quiet > idle_timeout:
-                        logger.debug(f"closing {connection}: nothing arrived for {quiet:.1f} s "
-                                     f"(idle_timeout)")
+                        logger.debug(
+                            f"closing {connection}: nothing arrived for {quiet:.1f} s (idle_timeout)"
+                        )
                         await connection.close()
                     elif quiet > idle_timeout / 2 and connection.has_outbound_streams():
                         connection.keepalive()
 
     # --- streams ------------------------------------------------------------------------------------
 
-    def set_stream_handler(self, protocol: str, handler: StreamHandler, *,
-                           max_per_peer: int | None = None) -> None:
+    def set_stream_handler(
+        self, protocol: str, handler: StreamHandler, *, max_per_peer: int | None = None
+    ) -> None:
         """Serve `protocol` with `handler(stream)`; with `max_per_peer`, at most that many of one peer's
         streams on it at once (more are reset). Every protocol shares `max_inbound_streams_per_peer`."""
         self._handlers[protocol] = handler
@@ -434,8 +464,14 @@ class Host:
     def protocols(self) -> list[str]:
         return list(self._handlers)
 
-    async def new_stream(self, peer: PeerID | Multiaddr | str, protocols: list[str] | str, *,
-                         timeout: float | None = None, lazy: bool = False) -> Stream:
+    async def new_stream(
+        self,
+        peer: PeerID | Multiaddr | str,
+        protocols: list[str] | str,
+        *,
+        timeout: float | None = None,
+        lazy: bool = False,
+    ) -> Stream:
         """Open a stream to `peer` speaking the first of `protocols` the peer accepts.
 
         With `lazy=True` and a single protocol, the proposal travels with the first data and the
@@ -459,7 +495,9 @@ class Host:
                 while dialer.selected is None:
                     data = await stream.read()
                     if not data:
-                        raise StreamError(f"{stream.remote_peer} closed the stream while negotiating {protocols}")
+                        raise StreamError(
+                            f"{stream.remote_peer} closed the stream while negotiating {protocols}"
+                        )
                     dialer.receive_data(data)
                     if out := dialer.data_to_send():
                         await stream.write(out)
@@ -476,9 +514,12 @@ class Host:
     async def _serve_stream(self, stream: Stream) -> None:
         peer, options = stream.remote_peer, self.options
         if not self._inbound_streams.acquire(peer, options.max_inbound_streams_per_peer):
-            self.refused(("streams per peer", peer), f"reset a new stream from {peer}: it holds "
-                                                      f"{options.max_inbound_streams_per_peer} "
-                                                      f"(max_inbound_streams_per_peer)")
+            self.refused(
+                ("streams per peer", peer),
+                f"reset a new stream from {peer}: it holds "
+                f"{options.max_inbound_streams_per_peer} "
+                f"(max_inbound_streams_per_peer)",
+            )
             stream.reset()
             return
         try:
@@ -488,14 +529,17 @@ class Host:
             if self.auth_gate is not None and protocol != AUTH_PROTOCOL:
                 refusal = await self.auth_gate.admit(stream)
                 if refusal is not None:
-                    self.refused(("unauthorized stream", peer),
-                                 f"refused a {protocol} stream from {peer}: {refusal}")
+                    self.refused(
+                        ("unauthorized stream", peer), f"refused a {protocol} stream from {peer}: {refusal}"
+                    )
                     stream.reset()
                     return
             if not self._inbound_streams.acquire((peer, protocol), self._max_per_peer.get(protocol)):
-                self.refused(("streams per protocol", peer, protocol),
-                             f"reset a new {protocol} stream from {peer}: it holds "
-                             f"{self._max_per_peer[protocol]} on this protocol already")
+                self.refused(
+                    ("streams per protocol", peer, protocol),
+                    f"reset a new {protocol} stream from {peer}: it holds "
+                    f"{self._max_per_peer[protocol]} on this protocol already",
+                )
                 stream.reset()
                 return
             try:
@@ -518,9 +562,11 @@ class Host:
                     if out := listener.data_to_send():
                         await stream.write(out)
         except TimeoutError:
-            self.refused(("negotiation timeout", stream.remote_peer),
-                         f"reset a stream from {stream.remote_peer}: no protocol picked within "
-                         f"{self.options.negotiate_timeout} s (negotiate_timeout)")
+            self.refused(
+                ("negotiation timeout", stream.remote_peer),
+                f"reset a stream from {stream.remote_peer}: no protocol picked within "
+                f"{self.options.negotiate_timeout} s (negotiate_timeout)",
+            )
             stream.reset()
             return None
         except (ProtocolError, StreamError, ConnectionError) as error:
@@ -537,7 +583,8 @@ class Host:
         if not listener_left_data(stream):
             received = stream.bytes_received
             watchdog = asyncio.get_running_loop().call_later(
-                self.options.request_timeout, self._check_first_bytes, stream, received)
+                self.options.request_timeout, self._check_first_bytes, stream, received
+            )
         try:
             await self._handlers[stream.protocol](stream)
         except (StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
@@ -552,9 +599,11 @@ class Host:
 
     def _check_first_bytes(self, stream: Stream, received_at_negotiation: int) -> None:
         if stream.bytes_received == received_at_negotiation and not stream.is_reset:
-            self.refused(("silent stream", stream.remote_peer),
-                         f"reset a {stream.protocol} stream from {stream.remote_peer}: it sent nothing "
-                         f"within {self.options.request_timeout} s of opening (request_timeout)")
+            self.refused(
+                ("silent stream", stream.remote_peer),
+                f"reset a {stream.protocol} stream from {stream.remote_peer}: it sent nothing "
+                f"within {self.options.request_timeout} s of opening (request_timeout)",
+            )
             stream.reset()
 
     # --- identify and ping (plexus/p2p/identify.py, plexus/p2p/ping.py) -----------------------------
@@ -614,7 +663,9 @@ def local_ips(family: str) -> list[str]:
     loopback = "127.0.0.1" if family == "ip4" else "::1"
     ips = [loopback]
     try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET if family == "ip4" else socket.AF_INET6)
+        infos = socket.getaddrinfo(
+            socket.gethostname(), None, socket.AF_INET if family == "ip4" else socket.AF_INET6
+        )
     except OSError:
         return ips
     for info in infos:

@@ -62,18 +62,28 @@ class HostOptions:
     libp2p peer speaks; AESGCM, which Plexus peers also speak, is 2-3x faster on CPUs with AES instructions."""
 
     def __post_init__(self):
-        for name in ("max_connections", "max_pending_connections", "max_connections_per_peer",
-                     "max_connections_per_ip", "max_connections_per_subnet", "max_streams_per_connection",
-                     "max_inbound_streams_per_peer", "ping_burst"):
+        for name in (
+            "max_connections",
+            "max_pending_connections",
+            "max_connections_per_peer",
+            "max_connections_per_ip",
+            "max_connections_per_subnet",
+            "max_streams_per_connection",
+            "max_inbound_streams_per_peer",
+            "ping_burst",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"HostOptions.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("ping_rate", "max_connection_rate_per_ip"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"HostOptions.{name} must be positive, got {getattr(self, name)}")
         if self.swarm_key is not None and len(self.swarm_key) != 32:
-            raise ValueError(f"HostOptions.swarm_key must be 32 bytes (a swarm.key file's key), "
-                             f"got {len(self.swarm_key)}")
+            raise ValueError(
+                f"HostOptions.swarm_key must be 32 bytes (a swarm.key file's key), got {len(self.swarm_key)}"
+            )
         unknown = [name for name in self.noise_ciphers if name not in noise.SUITES]
         if unknown or not self.noise_ciphers:
-            raise ValueError(f"noise_ciphers must name one or more of {sorted(noise.SUITES)}, "
-                             f"got {list(self.noise_ciphers)}")
+            raise ValueError(
+                f"noise_ciphers must name one or more of {sorted(noise.SUITES)}, "
+                f"got {list(self.noise_ciphers)}"
+            )

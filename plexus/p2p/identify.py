@@ -43,18 +43,23 @@ class IdentifyService:
         self.identified: dict[PeerID, asyncio.Event] = {}
         self.observed_addrs: dict[Multiaddr, set[PeerID]] = {}  # our address -> the peers that saw us there
         host.set_stream_handler(core.IDENTIFY_PROTOCOL, self._serve, max_per_peer=MAX_STREAMS_PER_PEER)
-        host.set_stream_handler(core.IDENTIFY_PUSH_PROTOCOL, self._serve_push,
-                                max_per_peer=MAX_STREAMS_PER_PEER)
+        host.set_stream_handler(
+            core.IDENTIFY_PUSH_PROTOCOL, self._serve_push, max_per_peer=MAX_STREAMS_PER_PEER
+        )
 
     def message(self, connection: Connection) -> bytes:
-        return core.encode_identify({
-            "public_key": self.host.private_key.public_key.to_protobuf(),
-            "listen_addrs": [addr.without_peer_id().to_bytes() for addr in self.host.get_visible_maddrs()],
-            "protocols": self.host.protocols,
-            "observed_addr": connection.remote_addr.to_bytes() if connection.remote_addr else None,
-            "protocol_version": core.PROTOCOL_VERSION,
-            "agent_version": AGENT_VERSION,
-        })
+        return core.encode_identify(
+            {
+                "public_key": self.host.private_key.public_key.to_protobuf(),
+                "listen_addrs": [
+                    addr.without_peer_id().to_bytes() for addr in self.host.get_visible_maddrs()
+                ],
+                "protocols": self.host.protocols,
+                "observed_addr": connection.remote_addr.to_bytes() if connection.remote_addr else None,
+                "protocol_version": core.PROTOCOL_VERSION,
+                "agent_version": AGENT_VERSION,
+            }
+        )
 
     async def _serve(self, stream: Stream) -> None:
         await write_delimited(stream, self.message(stream.connection))
@@ -62,6 +67,7 @@ class IdentifyService:
 
     async def push(self, timeout: float = 5.0) -> None:
         """Send our identify to every connected peer."""
+
         async def push(peer: PeerID) -> None:
             try:
                 async with asyncio.timeout(timeout):
@@ -80,8 +86,10 @@ class IdentifyService:
             if data is not None:
                 self.apply(stream.remote_peer, core.decode_identify(data), stream.connection)
         except (TimeoutError, ProtocolError, StreamError) as error:
-            self.host.refused(("identify push", stream.remote_peer),
-                              f"bad identify push from {stream.remote_peer}: {describe(error)}")
+            self.host.refused(
+                ("identify push", stream.remote_peer),
+                f"bad identify push from {stream.remote_peer}: {describe(error)}",
+            )
             stream.reset()
 
     async def run(self, connection: Connection) -> None:
@@ -99,8 +107,13 @@ class IdentifyService:
             await stream.close()
             if data is not None:
                 self.apply(peer, core.decode_identify(data), connection)
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError,
-                asyncio.IncompleteReadError) as error:
+        except (
+            TimeoutError,
+            ProtocolError,
+            StreamError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+        ) as error:
             logger.debug(f"identify with {peer} failed: {describe(error)}")
             if stream is not None:
                 stream.reset()  # an unanswered stream of ours would keep the connection alive (keepalive)

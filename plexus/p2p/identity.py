@@ -238,9 +238,13 @@ def _check_multihash(multihash: bytes) -> None:
     if code not in (IDENTITY_MULTIHASH, SHA256_MULTIHASH):
         raise IdentityError(f"unsupported multihash code {code:#x} in peer id")
     if length != len(multihash) - 2 or (code == SHA256_MULTIHASH and length != 32):
-        raise IdentityError(f"peer id multihash length {length} does not match its {len(multihash) - 2} bytes")
+        raise IdentityError(
+            f"peer id multihash length {length} does not match its {len(multihash) - 2} bytes"
+        )
     if code == IDENTITY_MULTIHASH and length > MAX_INLINE_KEY_LENGTH:
-        raise IdentityError(f"identity multihash of {length} bytes exceeds the {MAX_INLINE_KEY_LENGTH}-byte limit")
+        raise IdentityError(
+            f"identity multihash of {length} bytes exceeds the {MAX_INLINE_KEY_LENGTH}-byte limit"
+        )
 
 
 def load_or_create_identity(path: str | os.PathLike) -> PrivateKey:

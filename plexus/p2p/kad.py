@@ -45,9 +45,20 @@ class KademliaError(ConnectionError):
 
 
 class KademliaClient:
-    def __init__(self, host: Host, *, serve: bool = True, request_timeout: float = REQUEST_TIMEOUT,
-                 max_queries: int = 64):
-        self.host, self.serve, self.request_timeout, self.max_queries = host, serve, request_timeout, max_queries
+    def __init__(
+        self,
+        host: Host,
+        *,
+        serve: bool = True,
+        request_timeout: float = REQUEST_TIMEOUT,
+        max_queries: int = 64,
+    ):
+        self.host, self.serve, self.request_timeout, self.max_queries = (
+            host,
+            serve,
+            request_timeout,
+            max_queries,
+        )
         self.table = KadTable(host.peer_id)
         self._serving = 0
 
@@ -66,18 +77,26 @@ class KademliaClient:
         Raises KademliaError, naming every address and why, when no bootstrap peer answered."""
         usable = [addr for addr in addrs if addr.peer_id is not None and "dnsaddr" not in addr.protocols()]
         if len(usable) < len(addrs):
-            logger.debug(f"skipping {len(addrs) - len(usable)} bootstrap address(es) without a peer id or "
-                         f"needing a dnsaddr lookup")
-        results = await asyncio.gather(*(self._join(addr, timeout) for addr in usable), return_exceptions=True)
+            logger.debug(
+                f"skipping {len(addrs) - len(usable)} bootstrap address(es) without a peer id or "
+                f"needing a dnsaddr lookup"
+            )
+        results = await asyncio.gather(
+            *(self._join(addr, timeout) for addr in usable), return_exceptions=True
+        )
         if not len(self.table):
-            reasons = "; ".join(f"{addr}: {result}" for addr, result in zip(usable, results)) or "no usable address"
+            reasons = (
+                "; ".join(f"{addr}: {result}" for addr, result in zip(usable, results)) or "no usable address"
+            )
             raise KademliaError(f"could not join the Kademlia DHT (tried {reasons})")
         await self.lookup(self.host.peer_id)
         logger.debug(f"joined the Kademlia DHT: {len(self.table)} servers known")
         return len(self.table)
 
     async def _join(self, addr: Multiaddr, timeout: float) -> None:
-        info = await self.host.identify((await self.host.connect(addr, timeout=timeout)).remote_peer, timeout=timeout)
+        info = await self.host.identify(
+            (await self.host.connect(addr, timeout=timeout)).remote_peer, timeout=timeout
+        )
         if core.PROTOCOL not in info.protocols:
             raise KademliaError(f"{addr.peer_id} does not serve {core.PROTOCOL}")
         self.table.add(info.peer_id, [a.to_bytes() for a in info.addrs])
@@ -150,7 +169,9 @@ class KademliaClient:
                     raise StreamError(f"{peer} closed the Kademlia stream without answering")
                 answer = core.decode(data)
                 if answer.type is not message.type:
-                    raise RemoteProtocolError(f"{peer} answered a {message.type.name} with a {answer.type.name}")
+                    raise RemoteProtocolError(
+                        f"{peer} answered a {message.type.name} with a {answer.type.name}"
+                    )
             except BaseException:
                 stream.reset()
                 raise
@@ -169,8 +190,11 @@ class KademliaClient:
             return
         self._serving += 1
         requester = stream.remote_peer
-        local = KadPeer(self.host.peer_id, tuple(a.without_peer_id().to_bytes() for a in self.host.get_visible_maddrs()),
-                        core.Connectedness.CONNECTED)
+        local = KadPeer(
+            self.host.peer_id,
+            tuple(a.without_peer_id().to_bytes() for a in self.host.get_visible_maddrs()),
+            core.Connectedness.CONNECTED,
+        )
         try:
             for _ in range(MAX_REQUESTS_PER_STREAM):
                 async with asyncio.timeout(STREAM_IDLE_TIMEOUT):
@@ -184,7 +208,13 @@ class KademliaClient:
                     break
                 await write_delimited(stream, core.encode(reply))
             await stream.close()
-        except (TimeoutError, ProtocolError, StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
+        except (
+            TimeoutError,
+            ProtocolError,
+            StreamError,
+            ConnectionError,
+            asyncio.IncompleteReadError,
+        ) as error:
             logger.debug(f"Kademlia stream from {requester} ended: {error!r}")
             stream.reset()
         finally:

@@ -54,8 +54,16 @@ class InboundTicket:
 class InboundConnections:
     """Inbound connections by source address, against the global, pending, per-IP and per-subnet bounds."""
 
-    def __init__(self, *, max_total: int, max_pending: int, per_ip: int, per_subnet: int,
-                 rate_per_ip: float = 1e9, exempt_networks: Iterable[str] = ()):
+    def __init__(
+        self,
+        *,
+        max_total: int,
+        max_pending: int,
+        per_ip: int,
+        per_subnet: int,
+        rate_per_ip: float = 1e9,
+        exempt_networks: Iterable[str] = (),
+    ):
         self.max_total, self.max_pending = max_total, max_pending
         self.per_ip, self.per_subnet = per_ip, per_subnet
         self.rate = TokenBucket(rate_per_ip, burst=per_ip)
@@ -73,20 +81,25 @@ class InboundConnections:
         if self.total >= self.max_total:
             return None, f"the host has {self.total} inbound connections, its limit (max_connections)"
         if self.pending >= self.max_pending:
-            return None, (f"{self.pending} inbound handshakes are under way, the limit "
-                          f"(max_pending_connections)")
+            return None, (
+                f"{self.pending} inbound handshakes are under way, the limit (max_pending_connections)"
+            )
         ip_key = subnet_key = None
         if ip is not None and not self.is_exempt(ip):
             ip_key, subnet_key = address_keys(ip)
             if self.by_ip[ip_key] >= self.per_ip:
-                return None, (f"{ip_key} holds {self.by_ip[ip_key]} connections, the limit "
-                              f"(max_connections_per_ip)")
+                return None, (
+                    f"{ip_key} holds {self.by_ip[ip_key]} connections, the limit (max_connections_per_ip)"
+                )
             if self.by_subnet[subnet_key] >= self.per_subnet:
-                return None, (f"subnet {subnet_key} holds {self.by_subnet[subnet_key]} connections, the "
-                              f"limit (max_connections_per_subnet)")
+                return None, (
+                    f"subnet {subnet_key} holds {self.by_subnet[subnet_key]} connections, the "
+                    f"limit (max_connections_per_subnet)"
+                )
             if not self.rate.allow(ip_key, now):
-                return None, (f"{ip_key} opens connections faster than "
-                              f"max_connection_rate_per_ip={self.rate.rate}/s")
+                return None, (
+                    f"{ip_key} opens connections faster than max_connection_rate_per_ip={self.rate.rate}/s"
+                )
             self.by_ip[ip_key] += 1
             self.by_subnet[subnet_key] += 1
         self.total += 1

@@ -186,8 +186,10 @@ def _fixed_tuple(converters):
             raise MessageError(f"{_path(where)}: expected a list, got {type(value).__name__}")
         if len(value) != len(converters):
             raise MessageError(f"{_path(where)}: expected {len(converters)} items, got {len(value)}")
-        return tuple(convert_item(item, (where, "[{}]", i))
-                     for i, (convert_item, item) in enumerate(zip(converters, value)))
+        return tuple(
+            convert_item(item, (where, "[{}]", i))
+            for i, (convert_item, item) in enumerate(zip(converters, value))
+        )
 
     return convert
 
@@ -196,7 +198,9 @@ def _map(convert_key, convert_value):
     def convert(value, where):
         if not isinstance(value, dict):
             raise MessageError(f"{_path(where)}: expected a map, got {type(value).__name__}")
-        return {convert_key(k, (where, " key", None)): convert_value(v, (where, "[{!r}]", k))
-                for k, v in value.items()}
+        return {
+            convert_key(k, (where, " key", None)): convert_value(v, (where, "[{!r}]", k))
+            for k, v in value.items()
+        }
 
     return convert

@@ -41,13 +41,19 @@ class PingService:
             except TimeoutError:
                 if stream.is_reset:  # the host's first-bytes deadline came first, and said so
                     return
-                self.host.refused(("ping timeout", peer), f"{peer} sent no ping for "
-                                  f"{self.host.options.request_timeout} s on an open ping stream; reset it")
+                self.host.refused(
+                    ("ping timeout", peer),
+                    f"{peer} sent no ping for "
+                    f"{self.host.options.request_timeout} s on an open ping stream; reset it",
+                )
                 stream.reset()
                 return
             if not self.rate.allow(peer, time.monotonic()):
-                self.host.refused(("ping rate", peer), f"{peer} pings faster than ping_rate="
-                                  f"{self.host.options.ping_rate}/s; reset its ping stream")
+                self.host.refused(
+                    ("ping rate", peer),
+                    f"{peer} pings faster than ping_rate="
+                    f"{self.host.options.ping_rate}/s; reset its ping stream",
+                )
                 stream.reset()
                 return
             await stream.write(payload)

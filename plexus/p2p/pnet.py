@@ -61,8 +61,10 @@ def decode_swarm_key(data: bytes | str) -> bytes:
         elif encoding == b"/bin/":
             key = body
         else:
-            raise SwarmKeyError(f"unknown swarm key encoding {encoding.decode(errors='replace')!r}: "
-                                f"use /base16/, /base64/ or /bin/")
+            raise SwarmKeyError(
+                f"unknown swarm key encoding {encoding.decode(errors='replace')!r}: "
+                f"use /base16/, /base64/ or /bin/"
+            )
     except (binascii.Error, ValueError) as error:
         raise SwarmKeyError(f"the swarm key does not decode as {encoding.decode()}: {error}") from None
     if len(key) != KEY_SIZE:
@@ -106,8 +108,14 @@ def _libsodium() -> ctypes.CDLL:
     if library.sodium_init() < 0:
         raise SwarmKeyError("libsodium failed to initialise")
     function = library.crypto_stream_xsalsa20_xor_ic
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_char_p,
-                         ctypes.c_uint64, ctypes.c_char_p]
+    function.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_ulonglong,
+        ctypes.c_char_p,
+        ctypes.c_uint64,
+        ctypes.c_char_p,
+    ]
     function.restype = ctypes.c_int
     return library
 

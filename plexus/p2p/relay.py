@@ -89,7 +89,9 @@ def split_circuit(addr: Multiaddr) -> tuple[Multiaddr, PeerID]:
     if names.count("p2p-circuit") != 1:
         raise DialError(f"{addr}: expected exactly one /p2p-circuit (nested circuits are not supported)")
     index = names.index("p2p-circuit")
-    relay_part = "".join(f"/{name}" + (f"/{value}" if value is not None else "") for name, value in components[:index])
+    relay_part = "".join(
+        f"/{name}" + (f"/{value}" if value is not None else "") for name, value in components[:index]
+    )
     relay_addr = Multiaddr(relay_part) if relay_part else None
     if relay_addr is None or relay_addr.peer_id is None:
         raise DialError(f"{addr}: the part before /p2p-circuit must end in /p2p/<relay id>")
@@ -102,7 +104,9 @@ def split_circuit(addr: Multiaddr) -> tuple[Multiaddr, PeerID]:
 class RelayService:
     """Serve `/libp2p/circuit/relay/0.2.0/hop` on a (public) host, within `limits`."""
 
-    def __init__(self, host: Host, limits: RelayLimits | None = None, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, host: Host, limits: RelayLimits | None = None, *, clock: Callable[[], float] = time.time
+    ):
         self.host, self.limits, self._clock = host, limits or RelayLimits(), clock
         self.resources = core.RelayResources(self.limits)
         self.bytes_relayed = 0
@@ -111,8 +115,9 @@ class RelayService:
 
     def start(self) -> "RelayService":
         # a peer's hop streams: one per circuit it has open (the circuit runs on it), a reservation, a spare
-        self.host.set_stream_handler(core.HOP_PROTOCOL, self._serve_hop,
-                                     max_per_peer=self.limits.max_circuits_per_peer + 2)
+        self.host.set_stream_handler(
+            core.HOP_PROTOCOL, self._serve_hop, max_per_peer=self.limits.max_circuits_per_peer + 2
+        )
         return self
 
     async def stop(self) -> None:
@@ -190,8 +195,13 @@ class RelayService:
                 return await self._refuse(hop, Status.CONNECTION_FAILED)
             try:
                 async with asyncio.timeout(MESSAGE_TIMEOUT):
-                    await self._answer(hop, Status.OK, limit=self.limits.limit, peer=target,
-                                       peer_addrs=_observed(target_connection))
+                    await self._answer(
+                        hop,
+                        Status.OK,
+                        limit=self.limits.limit,
+                        peer=target,
+                        peer_addrs=_observed(target_connection),
+                    )
             except BaseException:
                 stop.reset()
                 raise
@@ -205,15 +215,21 @@ class RelayService:
         finally:
             self.resources.close_circuit(source, target)
 
-    async def _open_stop(self, source: PeerID, target: PeerID,
-                         source_addrs: tuple[bytes, ...]) -> Stream | None:
+    async def _open_stop(
+        self, source: PeerID, target: PeerID, source_addrs: tuple[bytes, ...]
+    ) -> Stream | None:
         stream = None
         try:
             async with asyncio.timeout(MESSAGE_TIMEOUT):
                 stream = await self.host.new_stream(target, core.STOP_PROTOCOL)
-                await write_delimited(stream, core.encode_stop(
-                    StopMessage(StopType.CONNECT, peer=source, limit=self.limits.limit,
-                                peer_addrs=source_addrs)))
+                await write_delimited(
+                    stream,
+                    core.encode_stop(
+                        StopMessage(
+                            StopType.CONNECT, peer=source, limit=self.limits.limit, peer_addrs=source_addrs
+                        )
+                    ),
+                )
                 data = await read_message(stream)
                 answer = core.decode_stop(data) if data is not None else None
         except (TimeoutError, ProtocolError, StreamError, ConnectionError) as error:
@@ -270,8 +286,15 @@ class ActiveReservation:
 class RelayClient:
     """Dial through relays, reserve slots on relays, accept circuits from them."""
 
-    def __init__(self, host: Host, *, accept_any_relay: bool = False, renew_period: float = 30.0,
-                 dial_timeout: float | None = None, on_inbound_circuit: Callable[[Connection], None] | None = None):
+    def __init__(
+        self,
+        host: Host,
+        *,
+        accept_any_relay: bool = False,
+        renew_period: float = 30.0,
+        dial_timeout: float | None = None,
+        on_inbound_circuit: Callable[[Connection], None] | None = None,
+    ):
         """
         Args:
             accept_any_relay: serve stop streams from relays we hold no reservation on.
@@ -313,7 +336,10 @@ class RelayClient:
         addrs = []
         for reservation in self.reservations.values():
             candidates = [reservation.relay_addr] + [
-                addr for addr in reservation.addrs if not _is_loopback(addr) and addr.peer_id == reservation.relay]
+                addr
+                for addr in reservation.addrs
+                if not _is_loopback(addr) and addr.peer_id == reservation.relay
+            ]
             for addr in list(dict.fromkeys(candidates))[:MAX_ADVERTISED_PER_RELAY]:
                 addrs.append(addr.encapsulate("/p2p-circuit"))
         return addrs
@@ -345,8 +371,10 @@ class RelayClient:
             raise RelayError(f"relay {relay} closed the stream without answering our reservation")
         answer = core.decode_hop(data)
         if answer.type is not HopType.STATUS or answer.status is not Status.OK:
-            raise RelayError(f"relay {relay} refused a reservation: {answer.status.name if answer.status else answer}",
-                             answer.status)
+            raise RelayError(
+                f"relay {relay} refused a reservation: {answer.status.name if answer.status else answer}",
+                answer.status,
+            )
         if answer.reservation is None:
             raise RelayError(f"relay {relay} accepted a reservation but sent no reservation details")
         addrs = []
@@ -359,8 +387,9 @@ class RelayClient:
                 addr = addr.with_peer_id(relay)
             if addr.peer_id == relay and not addr.is_circuit:
                 addrs.append(addr)
-        reservation = ActiveReservation(relay, relay_addr, answer.reservation.expire, addrs, answer.limit,
-                                        answer.reservation.voucher)
+        reservation = ActiveReservation(
+            relay, relay_addr, answer.reservation.expire, addrs, answer.limit, answer.reservation.voucher
+        )
         is_new = relay not in self.reservations
         self.reservations[relay] = reservation
         logger.debug(f"reserved a slot on relay {relay} until {reservation.expire}")
@@ -373,7 +402,7 @@ class RelayClient:
         relay, failures = relay_addr.peer_id, 0
         while True:
             reservation = self.reservations.get(relay)
-            wait = self.renew_period if failures == 0 else min(self.renew_period, 0.5 * 2 ** failures)
+            wait = self.renew_period if failures == 0 else min(self.renew_period, 0.5 * 2**failures)
             if reservation is not None and failures == 0:
                 wait = min(wait, max(0.1, (reservation.expire - time.time()) / 2))
             connection = self.host.get_connection(relay)
@@ -388,7 +417,14 @@ class RelayClient:
             try:
                 await self._reserve_once(relay_addr)
                 failures = 0
-            except (RelayError, ProtocolError, DialError, StreamError, ConnectionError, TimeoutError) as error:
+            except (
+                RelayError,
+                ProtocolError,
+                DialError,
+                StreamError,
+                ConnectionError,
+                TimeoutError,
+            ) as error:
                 failures += 1
                 self.reservations.pop(relay, None)
                 logger.warning(f"could not renew our reservation on relay {relay}: {error}; retrying")
@@ -413,13 +449,20 @@ class RelayClient:
                 answer = core.decode_hop(data)
                 if answer.type is not HopType.STATUS or answer.status is not Status.OK:
                     status = answer.status.name if answer.status else answer.type.name
-                    raise RelayError(f"relay {relay} could not connect us to {peer_id}: {status}", answer.status)
+                    raise RelayError(
+                        f"relay {relay} could not connect us to {peer_id}: {status}", answer.status
+                    )
             except BaseException:
                 hop.reset()
                 raise
-            connection = self._start_connection(hop, initiator=True, peer=peer_id, relay_addr=relay_addr,
-                                                limit=answer.limit,
-                                                observed=answer.peer_addrs if answer.peer == peer_id else ())
+            connection = self._start_connection(
+                hop,
+                initiator=True,
+                peer=peer_id,
+                relay_addr=relay_addr,
+                limit=answer.limit,
+                observed=answer.peer_addrs if answer.peer == peer_id else (),
+            )
             try:
                 await connection.upgrade()
             except BaseException as error:
@@ -429,8 +472,16 @@ class RelayClient:
         logger.debug(f"connected to {peer_id} through relay {relay}")
         return connection
 
-    def _start_connection(self, stream: Stream, *, initiator: bool, peer: PeerID, relay_addr: Multiaddr,
-                          limit: Limit | None, observed: tuple[bytes, ...]) -> Connection:
+    def _start_connection(
+        self,
+        stream: Stream,
+        *,
+        initiator: bool,
+        peer: PeerID,
+        relay_addr: Multiaddr,
+        limit: Limit | None,
+        observed: tuple[bytes, ...],
+    ) -> Connection:
         connection = self.host.make_connection(initiator=initiator, expected_peer=peer)
         connection.relayed, connection.relay_limit = True, limit
         connection.relay_observed_addrs = _parse_addrs(observed)  # where the relay saw the peer
@@ -458,7 +509,9 @@ class RelayClient:
                     return await self._answer_stop(stream, Status.PERMISSION_DENIED)
                 if message.peer in (self.host.peer_id, relay):
                     return await self._answer_stop(stream, Status.PERMISSION_DENIED)
-                await write_delimited(stream, core.encode_stop(StopMessage(StopType.STATUS, status=Status.OK)))
+                await write_delimited(
+                    stream, core.encode_stop(StopMessage(StopType.STATUS, status=Status.OK))
+                )
         except RemoteProtocolError as error:
             logger.debug(f"bad stop stream from {relay}: {error}")
             return await self._answer_stop(stream, Status.MALFORMED_MESSAGE)
@@ -468,8 +521,14 @@ class RelayClient:
         relay_addr = stream.connection.remote_addr
         relay_addr = relay_addr.with_peer_id(relay) if relay_addr is not None else Multiaddr(f"/p2p/{relay}")
         # The relay says who is calling; Noise inside the circuit checks it (expected_peer).
-        connection = self._start_connection(stream, initiator=False, peer=message.peer, relay_addr=relay_addr,
-                                            limit=message.limit, observed=message.peer_addrs)
+        connection = self._start_connection(
+            stream,
+            initiator=False,
+            peer=message.peer,
+            relay_addr=relay_addr,
+            limit=message.limit,
+            observed=message.peer_addrs,
+        )
         task = asyncio.get_running_loop().create_task(self._finish_inbound(connection, relay))
         self._upgrades.add(task)
         task.add_done_callback(self._upgrades.discard)

@@ -103,8 +103,11 @@ async def read_frame(stream: Stream, max_size: int, chunks: bool = False) -> tup
             length, end = decode_uvarint(head, 1)
         except (NeedMoreData, VarintError):  # cut short here, or malformed: the byte-wise path says which
             length = None
-        if length is not None and length <= (max_size if head[0] == MESSAGE else MAX_ERROR_SIZE) \
-                and length <= SMALL_FRAME:  # one read of header and body, one copy of the body
+        if (
+            length is not None
+            and length <= (max_size if head[0] == MESSAGE else MAX_ERROR_SIZE)
+            and length <= SMALL_FRAME
+        ):  # one read of header and body, one copy of the body
             frame = await stream.readexactly(end + length)
             return head[0], [frame[end:]] if chunks and head[0] == MESSAGE else frame[end:]
     kind = await stream.read(1)
@@ -117,7 +120,9 @@ async def read_frame(stream: Stream, max_size: int, chunks: bool = False) -> tup
         raise RPCProtocolError("stream ended inside an RPC frame header")
     limit = max_size if kind[0] == MESSAGE else MAX_ERROR_SIZE
     if length > limit:
-        raise RPCProtocolError(f"a {length}-byte RPC message on {stream.protocol} exceeds the {limit}-byte limit")
+        raise RPCProtocolError(
+            f"a {length}-byte RPC message on {stream.protocol} exceeds the {limit}-byte limit"
+        )
     if chunks and kind[0] == MESSAGE:
         return kind[0], await stream.readexactly_chunks(length)
     return kind[0], await stream.readexactly(length) if length else b""
@@ -137,8 +142,9 @@ async def _first_within(messages: AsyncIterator, timeout: float | None, protocol
         async with asyncio.timeout(timeout):
             first = await anext(messages, None)
     except TimeoutError:
-        raise RPCProtocolError(f"no request arrived on {protocol} within {timeout} s "
-                               f"(request_timeout)") from None
+        raise RPCProtocolError(
+            f"no request arrived on {protocol} within {timeout} s (request_timeout)"
+        ) from None
     if first is None:
         return
     yield first
@@ -146,11 +152,19 @@ async def _first_within(messages: AsyncIterator, timeout: float | None, protocol
         yield message
 
 
-def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_type=bytes, response_type=bytes, *,
-                stream_input: bool = False, stream_output: bool = False,
-                max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-                max_concurrent_per_peer: int | None = DEFAULT_MAX_CONCURRENT_PER_PEER,
-                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT) -> None:
+def add_handler(
+    host: Host,
+    protocol: str,
+    handler: Callable[..., Any],
+    request_type=bytes,
+    response_type=bytes,
+    *,
+    stream_input: bool = False,
+    stream_output: bool = False,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+    max_concurrent_per_peer: int | None = DEFAULT_MAX_CONCURRENT_PER_PEER,
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT,
+) -> None:
     """Serve `protocol` with `handler(request_or_iterator, context)`.
 
     The handler gets one decoded request, or an async iterator of them when `stream_input`;
@@ -169,11 +183,14 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
         context = RPCContext(stream)
         peer = context.remote_peer
         if not under_way.acquire(peer, max_concurrent_per_peer):
-            host.refused(("rpc requests per peer", peer, protocol),
-                         f"refused a {protocol} request from {peer}: it has {max_concurrent_per_peer} "
-                         f"under way (max_concurrent_per_peer)")
-            message = f"too many concurrent {protocol} requests from you ({max_concurrent_per_peer}); " \
-                      f"retry later"
+            host.refused(
+                ("rpc requests per peer", peer, protocol),
+                f"refused a {protocol} request from {peer}: it has {max_concurrent_per_peer} "
+                f"under way (max_concurrent_per_peer)",
+            )
+            message = (
+                f"too many concurrent {protocol} requests from you ({max_concurrent_per_peer}); retry later"
+            )
             await write_frame(stream, message.encode(), ERROR)
             stream.reset()
             return
@@ -196,8 +213,9 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
                     async with asyncio.timeout(request_timeout):
                         extra = await anext(requests, None)
                 except TimeoutError:
-                    raise RPCProtocolError(f"the request on {protocol} did not end within "
-                                           f"{request_timeout} s (request_timeout)") from None
+                    raise RPCProtocolError(
+                        f"the request on {protocol} did not end within {request_timeout} s (request_timeout)"
+                    ) from None
                 if extra is not None:
                     raise RPCProtocolError("the caller sent more than one request to a unary method")
             if stream_output:
@@ -212,8 +230,10 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
             raise
         except Exception as error:
             if isinstance(error, RPCProtocolError):
-                host.refused(("bad rpc request", context.remote_peer, protocol),
-                             f"refused a {protocol} request from {context.remote_peer}: {error}")
+                host.refused(
+                    ("bad rpc request", context.remote_peer, protocol),
+                    f"refused a {protocol} request from {context.remote_peer}: {error}",
+                )
             elif not isinstance(error, RPCError):
                 logger.debug(f"{protocol} handler failed for {context.remote_peer}: {error!r}", exc_info=True)
             message = str(error) or type(error).__name__
@@ -226,8 +246,16 @@ def add_handler(host: Host, protocol: str, handler: Callable[..., Any], request_
     host.set_stream_handler(protocol, serve)
 
 
-async def call(host: Host, peer: PeerID, protocol: str, request, response_type=bytes, *,
-               timeout: float | None = None, max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE):
+async def call(
+    host: Host,
+    peer: PeerID,
+    protocol: str,
+    request,
+    response_type=bytes,
+    *,
+    timeout: float | None = None,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+):
     """Unary call: send one request, return the one response. Raises RPCError, TimeoutError."""
     async with asyncio.timeout(timeout):
         stream = await host.new_stream(peer, protocol, lazy=True)
@@ -251,9 +279,16 @@ async def call(host: Host, peer: PeerID, protocol: str, request, response_type=b
             raise
 
 
-async def call_stream(host: Host, peer: PeerID, protocol: str, requests, response_type=bytes, *,
-                      timeout: float | None = None,
-                      max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> AsyncIterator:
+async def call_stream(
+    host: Host,
+    peer: PeerID,
+    protocol: str,
+    requests,
+    response_type=bytes,
+    *,
+    timeout: float | None = None,
+    max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
+) -> AsyncIterator:
     """Streaming call: `requests` is one message or an async iterable; yields the responses.
 
     Requests are sent by a background task while responses are read, so bidirectional streams
@@ -291,4 +326,3 @@ async def call_stream(host: Host, peer: PeerID, protocol: str, requests, respons
             sender.exception()  # the error in flight (the handler's refusal, say) says more than a reset
         stream.reset()
         raise
-

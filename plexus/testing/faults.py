@@ -123,15 +123,21 @@ class ForgedProgress(Fault):
     `epoch_ahead` beyond its own and `samples` accumulated (a liar about how far the swarm is)."""
 
     epoch_ahead: int = 1000
-    samples: int = 10 ** 9
+    samples: int = 10**9
     honest = False
 
     def after_step(self, peer: PeerContext) -> None:
         if self.active(peer):
-            peer.optimizer.tracker.report_local_progress(peer.optimizer.local_epoch + self.epoch_ahead,
-                                                         self.samples, update_global_samples=False)
+            peer.optimizer.tracker.report_local_progress(
+                peer.optimizer.local_epoch + self.epoch_ahead, self.samples, update_global_samples=False
+            )
 
 
-FAULT_KINDS: dict[str, type[Fault]] = {"nan": NaNGradients, "scaled": ScaledGradients, "silent": Silent,
-                                        "slow": Slow, "forged": ForgedProgress}
+FAULT_KINDS: dict[str, type[Fault]] = {
+    "nan": NaNGradients,
+    "scaled": ScaledGradients,
+    "silent": Silent,
+    "slow": Slow,
+    "forged": ForgedProgress,
+}
 """The shipped kinds by the names the command line uses (`--fault 2:silent:after=20`)."""

@@ -22,8 +22,15 @@ class ConnectionFlood:
     """Open connections to `target` (…/p2p/<id>), `concurrency` at a time, under `identities` peer ids
     taken in turn (None: a fresh one for every connection)."""
 
-    def __init__(self, target: Multiaddr | str, *, identities: int | None = 1, protocol: str = PING_PROTOCOL,
-                 concurrency: int = 32, dial_timeout: float = 10.0):
+    def __init__(
+        self,
+        target: Multiaddr | str,
+        *,
+        identities: int | None = 1,
+        protocol: str = PING_PROTOCOL,
+        concurrency: int = 32,
+        dial_timeout: float = 10.0,
+    ):
         self.target = Multiaddr(target) if isinstance(target, str) else target
         self.peer: PeerID = self.target.peer_id
         self.host, self.port, _ = parse_host_port(self.target.without_peer_id())

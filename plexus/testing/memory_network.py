@@ -30,8 +30,9 @@ class MemoryNetwork:
         self._ips: dict[PeerID, str] = {}
         self.calls = 0
 
-    def create_transport(self, private_key: PrivateKey | None = None,
-                         ip: str | None = None) -> "MemoryTransport":
+    def create_transport(
+        self, private_key: PrivateKey | None = None, ip: str | None = None
+    ) -> "MemoryTransport":
         peer_id = (private_key or PrivateKey.generate()).peer_id
         if ip is not None:
             self._ips[peer_id] = ip

@@ -76,8 +76,9 @@ def missing_prerequisite(tools: Sequence[str] = ("ip", "nft")) -> str | None:
     return None
 
 
-def run_command(args: Sequence[str], stdin: str | None = None, check: bool = True,
-                timeout: float = COMMAND_TIMEOUT) -> str:
+def run_command(
+    args: Sequence[str], stdin: str | None = None, check: bool = True, timeout: float = COMMAND_TIMEOUT
+) -> str:
     """Run one command and return its stdout; LabSetupError with its stderr when it fails."""
     result = subprocess.run(list(args), input=stdin, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
@@ -177,15 +178,42 @@ class Namespaces:
     def veth(self, ns1: str, name1: str, ns2: str, name2: str, mtu: int | None = None) -> None:
         """A veth pair from `name1` in `ns1` to `name2` in `ns2`, made inside them (both down)."""
         mtu_args = ["mtu", str(mtu)] if mtu else []
-        self.ip(ns1, "link", "add", name1, *mtu_args, "type", "veth", "peer", "name", name2,
-                *mtu_args, "netns", self.full(ns2))
+        self.ip(
+            ns1,
+            "link",
+            "add",
+            name1,
+            *mtu_args,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            name2,
+            *mtu_args,
+            "netns",
+            self.full(ns2),
+        )
 
-    def spawn(self, ns: str, argv: Sequence[str], env: dict | None = None, cwd: str | None = None,
-              stderr=subprocess.PIPE) -> subprocess.Popen:
+    def spawn(
+        self,
+        ns: str,
+        argv: Sequence[str],
+        env: dict | None = None,
+        cwd: str | None = None,
+        stderr=subprocess.PIPE,
+    ) -> subprocess.Popen:
         """Start `argv` inside namespace `ns` with pipes for stdin, stdout (text) and stderr."""
         command = ["ip", "netns", "exec", self.full(ns), *argv]
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                   text=True, env=env, cwd=cwd, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            cwd=cwd,
+            preexec_fn=_die_with_parent,
+        )
         self.processes.append(process)
         return process
 
@@ -255,8 +283,9 @@ class PeerProcess:
             self.process.wait()
             code = self.process.returncode
             why = f"exited with {code}" if code not in (None, -signal.SIGKILL) else f"timed out ({timeout} s)"
-            raise PhaseTimeout(f"peer {self.name} {why} before reporting {event!r}; its log:\n{self.log}",
-                               phase=event)
+            raise PhaseTimeout(
+                f"peer {self.name} {why} before reporting {event!r}; its log:\n{self.log}", phase=event
+            )
         return self.events[event]
 
     def send(self, line: str) -> None:

@@ -109,7 +109,9 @@ class SwarmReport:
     def stall_after_kill(self) -> list[float]:
         """For each kill, the length of the stall that contains it."""
         kills = [r.time for r in self.churn if r.action == "kill" and self.begin <= r.time <= self.end]
-        return [length for moment in kills for start, length in self.stalls() if start <= moment < start + length]
+        return [
+            length for moment in kills for start, length in self.stalls() if start <= moment < start + length
+        ]
 
     @property
     def hangs(self) -> int:
@@ -157,8 +159,13 @@ class SwarmReport:
             if record.action == "kill":
                 killed_before.add(record.index)
             elif record.action == "spawn" and record.index in killed_before:
-                moves = [t for t in self.transitions if (t.index, t.incarnation) == (record.index, record.incarnation)
-                         and t.kind != "start" and t.epoch >= self.swarm_epoch_at(t.time)]
+                moves = [
+                    t
+                    for t in self.transitions
+                    if (t.index, t.incarnation) == (record.index, record.incarnation)
+                    and t.kind != "start"
+                    and t.epoch >= self.swarm_epoch_at(t.time)
+                ]
                 if moves:
                     times.append(min(t.time for t in moves) - record.time)
         return times
@@ -166,8 +173,11 @@ class SwarmReport:
     def ready_times(self) -> list[float]:
         """Seconds from each spawn until the process's DHT was up (process start, imports, bootstrap)."""
         spawned = {(r.index, r.incarnation): r.time for r in self.churn if r.action == "spawn"}
-        return [m.time - spawned[m.index, m.incarnation] for m in self.messages
-                if isinstance(m, Ready) and (m.index, m.incarnation) in spawned]
+        return [
+            m.time - spawned[m.index, m.incarnation]
+            for m in self.messages
+            if isinstance(m, Ready) and (m.index, m.incarnation) in spawned
+        ]
 
     # --- processes -----------------------------------------------------------------------------
 
@@ -180,8 +190,11 @@ class SwarmReport:
         crashed = [f"{m.index}.{m.incarnation}: {m.error}" for m in self.finished() if m.error]
         killed = {(r.index, r.incarnation) for r in self.churn if r.action == "kill"}
         killed |= set(self.forced_kills) | self.silenced
-        crashed += [f"{i}.{n}: exit code {code}" for (i, n), code in sorted(self.exit_codes.items())
-                    if code != 0 and (i, n) not in killed]
+        crashed += [
+            f"{i}.{n}: exit code {code}"
+            for (i, n), code in sorted(self.exit_codes.items())
+            if code != 0 and (i, n) not in killed
+        ]
         return crashed
 
     @property
@@ -221,11 +234,13 @@ class SwarmReport:
             "longest stall": f"{self.longest_stall:.1f} s",
             "kills": str(len([r for r in self.churn if r.action == "kill"])),
             "stall around a kill (max)": f"{max(stalls_after_kill):.1f} s" if stalls_after_kill else "-",
-            "rejoin time (mean / max)": f"{statistics.mean(rejoins):.1f} / {max(rejoins):.1f} s" if rejoins else "-",
+            "rejoin time (mean / max)": f"{statistics.mean(rejoins):.1f} / {max(rejoins):.1f} s"
+            if rejoins
+            else "-",
             "hangs": str(self.hangs),
             "same-epoch disagreements": str(len(self.disagreements())),
             "catch-up loads (never-killed peers)": f"{sum(self.catch_up_loads().values())} "
-                                                   f"({self.never_killed_catch_up_loads})",
+            f"({self.never_killed_catch_up_loads})",
             "gradient rounds averaged / failed": f"{averaged} / {failed}",
             "crashes": str(len(self.crashes)),
             "max RSS per peer": f"{self.max_rss_mib:.0f} MiB",

@@ -36,8 +36,11 @@ from .swarm_peer import STOP, Finished, PeerSpec, Ready, Silenced, run_peer
 from .tasks import RegressionTask
 
 DEFAULT_OPTIMIZER_OPTIONS = dict(
-    target_batch_size=4096, matchmaking_time=2.0, averaging_timeout=30.0,
-    tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=1.0, default_refresh_period=0.3))
+    target_batch_size=4096,
+    matchmaking_time=2.0,
+    averaging_timeout=30.0,
+    tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=1.0, default_refresh_period=0.3),
+)
 """Options given to each peer's `plexus.Optimizer` unless `LocalSwarm(optimizer=...)` overrides them:
 a fast tracker, so the swarm sees joins and deaths within seconds."""
 
@@ -73,9 +76,17 @@ class ChurnSchedule:
         object.__setattr__(self, "events", tuple(sorted(self.events, key=lambda event: event.at)))
 
     @classmethod
-    def random_kills(cls, duration: float, num_peers: int, *, every: tuple[float, float] = (15.0, 25.0),
-                     restart_after: tuple[float, float] = (2.0, 5.0), start_after: float = 10.0,
-                     victims: Sequence[int] | None = None, seed: int = 0) -> ChurnSchedule:
+    def random_kills(
+        cls,
+        duration: float,
+        num_peers: int,
+        *,
+        every: tuple[float, float] = (15.0, 25.0),
+        restart_after: tuple[float, float] = (2.0, 5.0),
+        start_after: float = 10.0,
+        victims: Sequence[int] | None = None,
+        seed: int = 0,
+    ) -> ChurnSchedule:
         """Kill one random peer every `every` seconds (uniform in the range), from `start_after` on,
         and restart it `restart_after` seconds later; at most one peer is down at a time.
 
@@ -122,10 +133,20 @@ class LocalSwarm:
             process behind for longer).
     """
 
-    def __init__(self, num_peers: int, *, task: RegressionTask | None = None, optimizer: Mapping | None = None,
-                 faults: Mapping[int, Fault] | None = None, run_id: str = "local_swarm",
-                 report_parameters: bool = False, ready_timeout: float = 120.0, stop_timeout: float = 30.0,
-                 log_level: str | None = None, max_lifetime: float = 3600.0):
+    def __init__(
+        self,
+        num_peers: int,
+        *,
+        task: RegressionTask | None = None,
+        optimizer: Mapping | None = None,
+        faults: Mapping[int, Fault] | None = None,
+        run_id: str = "local_swarm",
+        report_parameters: bool = False,
+        ready_timeout: float = 120.0,
+        stop_timeout: float = 30.0,
+        log_level: str | None = None,
+        max_lifetime: float = 3600.0,
+    ):
         if num_peers < 1:
             raise ValueError(f"a swarm needs at least one peer, got {num_peers}")
         self.num_peers, self.task = num_peers, task or RegressionTask()
@@ -168,13 +189,24 @@ class LocalSwarm:
             raise RuntimeError(f"peer {index} is still running")
         incarnation = self._incarnations[index] = self._incarnations[index] + 1
         parent_end, child_end = self._context.Pipe(duplex=True)
-        initial_peers = tuple(addr for i, maddrs in sorted(self._maddrs.items()) if self.is_alive(i)
-                              for addr in maddrs)
-        spec = PeerSpec(index, incarnation, self.run_id, self.task, dict(self.optimizer_options),
-                        self.faults.get(index, Fault()), initial_peers, self.report_parameters, self.log_level,
-                        self.max_lifetime)
-        process = self._context.Process(target=run_peer, args=(spec, child_end), daemon=True,
-                                        name=f"plexus-peer-{index}.{incarnation}")
+        initial_peers = tuple(
+            addr for i, maddrs in sorted(self._maddrs.items()) if self.is_alive(i) for addr in maddrs
+        )
+        spec = PeerSpec(
+            index,
+            incarnation,
+            self.run_id,
+            self.task,
+            dict(self.optimizer_options),
+            self.faults.get(index, Fault()),
+            initial_peers,
+            self.report_parameters,
+            self.log_level,
+            self.max_lifetime,
+        )
+        process = self._context.Process(
+            target=run_peer, args=(spec, child_end), daemon=True, name=f"plexus-peer-{index}.{incarnation}"
+        )
         process.start()
         child_end.close()
         with self._changed:
@@ -184,10 +216,15 @@ class LocalSwarm:
             self._churn.append(ChurnRecord(time.monotonic(), "spawn", index, incarnation))
             self._changed.notify_all()
         if wait:
-            self.wait_for(lambda: self._is_ready(index, incarnation) or not process.is_alive(),
-                          self.ready_timeout, f"peer {index}.{incarnation} to start")
+            self.wait_for(
+                lambda: self._is_ready(index, incarnation) or not process.is_alive(),
+                self.ready_timeout,
+                f"peer {index}.{incarnation} to start",
+            )
             if not process.is_alive():
-                raise RuntimeError(f"peer {index}.{incarnation} exited while starting (code {process.exitcode})")
+                raise RuntimeError(
+                    f"peer {index}.{incarnation} exited while starting (code {process.exitcode})"
+                )
 
     def kill(self, index: int) -> None:
         """SIGKILL the peer in slot `index` (no goodbye, no cleanup: a crash)."""
@@ -215,12 +252,18 @@ class LocalSwarm:
 
     # --- running a schedule --------------------------------------------------------------------------
 
-    def run(self, duration: float, schedule: ChurnSchedule | None = None,
-            on_event: Callable[[ChurnEvent], None] | None = None) -> SwarmReport:
+    def run(
+        self,
+        duration: float,
+        schedule: ChurnSchedule | None = None,
+        on_event: Callable[[ChurnEvent], None] | None = None,
+    ) -> SwarmReport:
         """Carry out `schedule` for `duration` seconds (peers not started yet start first), then close
         the swarm and return its report."""
         if not any(self.is_alive(i) for i in range(self.num_peers)):
-            starts = {event.peer for event in (schedule.events if schedule else ()) if event.action == "start"}
+            starts = {
+                event.peer for event in (schedule.events if schedule else ()) if event.action == "start"
+            }
             self.start([i for i in range(self.num_peers) if i not in starts])
         begin = time.monotonic()
         for event in schedule.events if schedule else ():
@@ -258,16 +301,25 @@ class LocalSwarm:
 
     def wait_for_epoch(self, epoch: int, timeout: float, peers: Sequence[int] | None = None) -> None:
         """Block until every given peer (default: every live one) has reached `epoch`."""
+
         def reached() -> bool:
             wanted = [i for i in range(self.num_peers) if self.is_alive(i)] if peers is None else peers
             return all(self.epoch_of(i) >= epoch for i in wanted)
-        self.wait_for(reached, timeout, f"epoch {epoch} on {'every live peer' if peers is None else list(peers)}")
+
+        self.wait_for(
+            reached, timeout, f"epoch {epoch} on {'every live peer' if peers is None else list(peers)}"
+        )
 
     def epoch_of(self, index: int) -> int:
         """The last epoch the current process in slot `index` reported (-1 before its first report)."""
         incarnation = self._incarnations[index]
-        epochs = [m.epoch for m in self.messages() if getattr(m, "epoch", None) is not None
-                  and (m.index, m.incarnation) == (index, incarnation) and not isinstance(m, Finished)]
+        epochs = [
+            m.epoch
+            for m in self.messages()
+            if getattr(m, "epoch", None) is not None
+            and (m.index, m.incarnation) == (index, incarnation)
+            and not isinstance(m, Finished)
+        ]
         return epochs[-1] if epochs else -1
 
     def messages(self) -> list:
@@ -277,11 +329,19 @@ class LocalSwarm:
     def report(self, since: float | None = None) -> SwarmReport:
         """The figures so far (`since`: where the timeline starts; default: when the swarm was made)."""
         with self._changed:
-            return SwarmReport(list(self._messages), list(self._churn), self.started_at if since is None else since,
-                               time.monotonic(), self.num_peers, dict(self.faults), list(self._forced_kills),
-                               list(self._leftovers), set(self._silenced),
-                               {key: p.exitcode for key, p in self._all_processes.items() if p.exitcode is not None},
-                               closed=self._closed)
+            return SwarmReport(
+                list(self._messages),
+                list(self._churn),
+                self.started_at if since is None else since,
+                time.monotonic(),
+                self.num_peers,
+                dict(self.faults),
+                list(self._forced_kills),
+                list(self._leftovers),
+                set(self._silenced),
+                {key: p.exitcode for key, p in self._all_processes.items() if p.exitcode is not None},
+                closed=self._closed,
+            )
 
     # --- closing -------------------------------------------------------------------------------------
 
@@ -360,7 +420,9 @@ class LocalSwarm:
                     self._changed.notify_all()
 
     def _is_ready(self, index: int, incarnation: int) -> bool:
-        return any(isinstance(m, Ready) and (m.index, m.incarnation) == (index, incarnation) for m in self._messages)
+        return any(
+            isinstance(m, Ready) and (m.index, m.incarnation) == (index, incarnation) for m in self._messages
+        )
 
     def __repr__(self) -> str:
         alive = [i for i in range(self.num_peers) if self.is_alive(i)]
@@ -375,4 +437,3 @@ def _exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-

@@ -151,11 +151,24 @@ def run_peer(spec: PeerSpec, conn: Connection) -> None:
     task = spec.task
     try:
         dht = DHT(initial_peers=list(spec.initial_peers) or None, host_maddrs=LOCAL_MADDRS, start=True)
-        conn.send(Ready(spec.index, spec.incarnation, os.getpid(),
-                        tuple(str(a) for a in dht.get_visible_maddrs()), time.monotonic()))
+        conn.send(
+            Ready(
+                spec.index,
+                spec.incarnation,
+                os.getpid(),
+                tuple(str(a) for a in dht.get_visible_maddrs()),
+                time.monotonic(),
+            )
+        )
         model = task.make_model()
-        opt = Optimizer(dht=dht, run_id=spec.run_id, params=model.parameters(), optimizer=task.make_optimizer(),
-                        batch_size_per_step=task.batch_size, **spec.optimizer_options)
+        opt = Optimizer(
+            dht=dht,
+            run_id=spec.run_id,
+            params=model.parameters(),
+            optimizer=task.make_optimizer(),
+            batch_size_per_step=task.batch_size,
+            **spec.optimizer_options,
+        )
     except Exception:
         if conn.poll():  # told to stop while starting (its bootstrap peers may be gone): not a crash
             return
@@ -182,7 +195,9 @@ def run_peer(spec: PeerSpec, conn: Connection) -> None:
             if opt.local_epoch != epoch or opt.state_loads != loads:
                 _report(conn, spec, opt, model, "load" if opt.state_loads != loads else "step", loss.item())
             if time.monotonic() >= next_heartbeat:
-                conn.send(Heartbeat(spec.index, spec.incarnation, time.monotonic(), opt.local_epoch, _max_rss()))
+                conn.send(
+                    Heartbeat(spec.index, spec.incarnation, time.monotonic(), opt.local_epoch, _max_rss())
+                )
                 next_heartbeat = time.monotonic() + HEARTBEAT_PERIOD
     except (BrokenPipeError, EOFError):
         return  # the harness is gone: nobody to report to
@@ -194,19 +209,42 @@ def run_peer(spec: PeerSpec, conn: Connection) -> None:
         dht.shutdown()
     children = tuple(_children(os.getpid()))
     try:
-        conn.send(Finished(spec.index, spec.incarnation, time.monotonic(), opt.local_epoch, opt.state_loads,
-                           opt.rounds_averaged, opt.rounds_failed, _max_rss(), children, dict(counter.counts),
-                           error))
+        conn.send(
+            Finished(
+                spec.index,
+                spec.incarnation,
+                time.monotonic(),
+                opt.local_epoch,
+                opt.state_loads,
+                opt.rounds_averaged,
+                opt.rounds_failed,
+                _max_rss(),
+                children,
+                dict(counter.counts),
+                error,
+            )
+        )
     except (BrokenPipeError, EOFError):
         pass  # the harness is gone
 
 
 def _report(conn: Connection, spec: PeerSpec, opt, model: torch.nn.Module, kind: str, loss: float) -> None:
     flat = flat_parameters(model)
-    conn.send(Transition(spec.index, spec.incarnation, time.monotonic(), kind, opt.local_epoch,
-                         hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], opt.state_loads,
-                         opt.rounds_averaged, opt.rounds_failed, loss,
-                         flat.numpy() if spec.report_parameters else None))
+    conn.send(
+        Transition(
+            spec.index,
+            spec.incarnation,
+            time.monotonic(),
+            kind,
+            opt.local_epoch,
+            hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16],
+            opt.state_loads,
+            opt.rounds_averaged,
+            opt.rounds_failed,
+            loss,
+            flat.numpy() if spec.report_parameters else None,
+        )
+    )
 
 
 def _max_rss() -> int:

@@ -58,8 +58,9 @@ class RegressionTask:
     def make_model(self) -> torch.nn.Module:
         generator_state = torch.random.get_rng_state()
         torch.manual_seed(0)  # every peer and every reference start from the same parameters
-        model = torch.nn.Sequential(torch.nn.Linear(self.features, self.hidden), torch.nn.Tanh(),
-                                    torch.nn.Linear(self.hidden, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(self.features, self.hidden), torch.nn.Tanh(), torch.nn.Linear(self.hidden, 1)
+        )
         torch.random.set_rng_state(generator_state)
         return model
 

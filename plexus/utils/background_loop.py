@@ -45,8 +45,10 @@ class BackgroundLoop:
         """Run `coroutine` on the loop and wait for its result (never call this from the loop itself)."""
         if self.in_loop_thread():
             coroutine.close()
-            raise RuntimeError("a blocking Plexus call was made from inside its own event loop; "
-                               "use the async API (await ...) there instead")
+            raise RuntimeError(
+                "a blocking Plexus call was made from inside its own event loop; "
+                "use the async API (await ...) there instead"
+            )
         future = self.submit(coroutine)
         try:
             return future.result(timeout)

@@ -67,8 +67,15 @@ class RateLimitedLog:
     logged for the same kind, so nothing is lost but the repetition. Memory is bounded by `max_keys`.
     """
 
-    def __init__(self, logger: logging.Logger, *, interval: float = 60.0, per_kind: int = 10,
-                 max_keys: int = 4096, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        interval: float = 60.0,
+        per_kind: int = 10,
+        max_keys: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.logger, self.interval, self.per_kind, self.max_keys = logger, interval, per_kind, max_keys
         self._clock = clock
         self._last: OrderedDict[Hashable, float] = OrderedDict()  # key -> when it was last logged

@@ -49,7 +49,9 @@ class MSGPackSerializer:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise SerializationError(f"expected bytes to deserialize, got {type(data).__name__}")
         if len(data) > max_size:
-            raise SerializationError(f"serialized value of {len(data)} bytes exceeds the {max_size}-byte limit")
+            raise SerializationError(
+                f"serialized value of {len(data)} bytes exceeds the {max_size}-byte limit"
+            )
         depth = 0
 
         def ext_hook(code: int, payload: bytes) -> Any:

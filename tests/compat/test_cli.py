@@ -18,8 +18,9 @@ DHT_START = re.compile(r"Running a DHT instance. To connect other peers to this 
 
 def start(*args: str) -> subprocess.Popen:
     env = dict(os.environ, HIVEMIND_LOGLEVEL="INFO", PLEXUS_LOGLEVEL="INFO")
-    return subprocess.Popen([sys.executable, "-m", "plexus.cli.main", *args], stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "plexus.cli.main", *args], stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def read_line(process: subprocess.Popen, timeout: float = 40) -> str:
@@ -67,8 +68,21 @@ def test_dht_command_prints_hiveminds_lines_and_peers_find_each_other():
 
 def test_server_command_prints_its_dht_address_first(tmp_path):
     identity = tmp_path / "id"
-    server = start("server", "--num_experts", "1", "--hidden_dim", "4", "--num_handlers", "1", "--device",
-                   "cpu", "--host_maddrs", LOCAL, "--identity_path", str(identity))
+    server = start(
+        "server",
+        "--num_experts",
+        "1",
+        "--hidden_dim",
+        "4",
+        "--num_handlers",
+        "1",
+        "--device",
+        "cpu",
+        "--host_maddrs",
+        LOCAL,
+        "--identity_path",
+        str(identity),
+    )
     try:
         assert "Generating new identity" in read_line(server)
         match = re.search(r"Running DHT node on \[(.+)\],", read_line(server))

@@ -21,8 +21,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_compression_type_has_hiveminds_numbers_and_enum_api():
-    assert CompressionType.items() == [("NONE", 0), ("MEANSTD_16BIT", 1), ("FLOAT16", 2),
-                                       ("QUANTILE_8BIT", 3), ("UNIFORM_8BIT", 4), ("BLOCKWISE_8BIT", 5)]
+    assert CompressionType.items() == [
+        ("NONE", 0),
+        ("MEANSTD_16BIT", 1),
+        ("FLOAT16", 2),
+        ("QUANTILE_8BIT", 3),
+        ("UNIFORM_8BIT", 4),
+        ("BLOCKWISE_8BIT", 5),
+    ]
     assert CompressionType.values() == [0, 1, 2, 3, 4, 5] and CompressionType.keys()[2] == "FLOAT16"
     assert CompressionType.Name(2) == "FLOAT16" and CompressionType.Value("UNIFORM_8BIT") == 4
     serialized = serialize_torch_tensor(torch.randn(100), 2)  # the number hivemind code writes for FLOAT16
@@ -51,9 +57,18 @@ class CountingCompression(AdaptiveCompressionBase):
 def test_an_adaptive_methods_own_compress_runs_during_all_reduce(leaf, dht_pair):
     counting = [CountingCompression(leaf), CountingCompression(leaf)]
     tensors = [[torch.full((1000,), 1.0)], [torch.full((1000,), 3.0)]]
-    averagers = [DecentralizedAverager(t, dht=dht, prefix="counted", target_group_size=2,
-                                       min_matchmaking_time=1.0, compression=compression, start=True)
-                 for t, dht, compression in zip(tensors, dht_pair, counting)]
+    averagers = [
+        DecentralizedAverager(
+            t,
+            dht=dht,
+            prefix="counted",
+            target_group_size=2,
+            min_matchmaking_time=1.0,
+            compression=compression,
+            start=True,
+        )
+        for t, dht, compression in zip(tensors, dht_pair, counting)
+    ]
     try:
         futures = [averager.step(wait=False, timeout=20) for averager in averagers]
         assert all(future.result() for future in futures)

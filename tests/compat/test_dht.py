@@ -71,8 +71,9 @@ def test_dht_runs_on_a_given_p2p_and_leaves_it_running():
 def test_no_listen_peer_joins_without_accepting_connections(dht_pair, caplog):
     first, _ = dht_pair
     with caplog.at_level(logging.WARNING):
-        quiet = DHT(start=True, initial_peers=first.get_visible_maddrs(), no_listen=True, client_mode=True,
-                    tls=True)  # a hivemind daemon option without meaning here: accepted, with a warning
+        quiet = DHT(
+            start=True, initial_peers=first.get_visible_maddrs(), no_listen=True, client_mode=True, tls=True
+        )  # a hivemind daemon option without meaning here: accepted, with a warning
     try:
         assert not quiet.host.get_listen_maddrs()
         assert quiet.store("from_a_client", 1, get_dht_time() + 30) and first.get("from_a_client").value == 1

@@ -95,6 +95,7 @@ def test_expert_scores_follow_the_uids_grid():
     try:
         moe = RemoteMixtureOfExperts(dht=dht, in_features=16, grid_size=(40,), k_best=4, uid_prefix="expert.")
         gx, gy = torch.randn(2, 5, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+
         def expert(uid):
             return RemoteExpert(ExpertInfo(uid, None), None)
 

@@ -24,9 +24,15 @@ def test_grad_averager_factory_builds_the_optimizers_gradient_averager(dht_pair)
         return averager
 
     choose: GradientAveragerFactory = factory
-    opt = Optimizer(dht=dht_pair[0], run_id="factory_run", target_batch_size=8, batch_size_per_step=4,
-                    optimizer=functools.partial(torch.optim.SGD, lr=0.1), params=model.parameters(),
-                    grad_averager_factory=choose)
+    opt = Optimizer(
+        dht=dht_pair[0],
+        run_id="factory_run",
+        target_batch_size=8,
+        batch_size_per_step=4,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        params=model.parameters(),
+        grad_averager_factory=choose,
+    )
     try:
         assert built and opt.grad_averager is built[0]
         assert isinstance(opt.grad_averager, PowerSGDGradientAverager)
@@ -66,8 +72,14 @@ def test_each_download_gets_the_donors_current_state(dht_pair):
 
 def test_min_group_size_above_the_target_warns_instead_of_refusing(dht_pair, caplog):
     with caplog.at_level(logging.WARNING):
-        averager = DecentralizedAverager([torch.zeros(2)], dht=dht_pair[0], prefix="lenient",
-                                         target_group_size=2, min_group_size=4, start=True)
+        averager = DecentralizedAverager(
+            [torch.zeros(2)],
+            dht=dht_pair[0],
+            prefix="lenient",
+            target_group_size=2,
+            min_group_size=4,
+            start=True,
+        )
     try:
         assert averager.min_group_size == 2 and "min_group_size=4 exceeds target_group_size=2" in caplog.text
     finally:

@@ -13,57 +13,60 @@ pytestmark = pytest.mark.timeout(60)
 
 # (hivemind module path, public names there): hivemind 1.1.12's package exports and the module paths
 # its users import from.
-PUBLIC_NAMES = {name: names.split() for name, names in {
-    "hivemind": "DHT DecentralizedAverager GradScaler ModuleBackend Optimizer RemoteExpert "
-                "RemoteMixtureOfExperts RemoteSwitchMixtureOfExperts Server TrainingAverager "
-                "register_expert_class __version__ CollaborativeOptimizer DecentralizedSGD",
-    "hivemind.dht": "DHT DHTNode DHTID DHTValue",
-    "hivemind.dht.node": "DHTNode DHTID",
-    "hivemind.dht.crypto": "RSASignatureValidator",
-    "hivemind.dht.schema": "SchemaValidator BytesWithPublicKey",
-    "hivemind.dht.validation": "DHTRecord RecordValidatorBase CompositeValidator",
-    "hivemind.dht.routing": "DHTID",
-    "hivemind.averaging": "DecentralizedAverager",
-    "hivemind.averaging.control": "StepControl AveragingStage",
-    "hivemind.optim": "GradScaler Optimizer TrainingAverager CollaborativeOptimizer DecentralizedOptimizer "
-                      "DecentralizedSGD DecentralizedAdam",
-    "hivemind.optim.grad_averager": "GradientAverager GradientAveragerFactory",
-    "hivemind.optim.power_sgd_averager": "PowerSGDGradientAverager",
-    "hivemind.optim.progress_tracker": "ProgressTracker",
-    "hivemind.optim.state_averager": "TrainingStateAverager",
-    "hivemind.optim.collaborative": "CollaborativeOptimizer CollaborationState",
-    "hivemind.compression": "BlockwiseQuantization CompressionBase CompressionInfo Float16Compression "
-                            "NoCompression PerTensorCompression Quantile8BitQuantization "
-                            "RoleAdaptiveCompression ScaledFloat16Compression SizeAdaptiveCompression "
-                            "TensorRole Uniform8BitQuantization deserialize_tensor_stream "
-                            "deserialize_torch_tensor serialize_torch_tensor",
-    "hivemind.compression.adaptive": "AdaptiveCompressionBase PerTensorCompression",
-    "hivemind.moe": "ModuleBackend RemoteExpert RemoteMixtureOfExperts RemoteSwitchMixtureOfExperts Server "
-                    "background_server declare_experts get_experts register_expert_class",
-    "hivemind.moe.server": "ModuleBackend Server background_server declare_experts get_experts "
-                           "register_expert_class",
-    "hivemind.moe.server.dht_handler": "declare_experts get_experts",
-    "hivemind.moe.server.layers": "name_to_block name_to_input get_linear_schedule_with_warmup",
-    "hivemind.moe.server.layers.lr_schedule": "get_linear_schedule_with_warmup",
-    "hivemind.moe.client": "RemoteExpert RemoteMixtureOfExperts RemoteSwitchMixtureOfExperts",
-    "hivemind.moe.client.expert": "RemoteExpert create_remote_experts",
-    "hivemind.moe.client.beam_search": "MoEBeamSearcher",
-    "hivemind.moe.expert_uid": "ExpertInfo is_valid_uid is_valid_prefix split_uid UID_DELIMITER",
-    "hivemind.p2p": "P2P PeerID PeerInfo P2PDaemonError P2PHandlerError",
-    "hivemind.utils": "get_dht_time get_logger MSGPackSerializer ValueWithExpiration TimedStorage "
-                      "PerformanceEMA nested_flatten nested_pack nested_map DHTExpiration "
-                      "MAX_DHT_TIME_DISCREPANCY_SECONDS TensorDescriptor",
-    "hivemind.utils.logging": "get_logger use_hivemind_log_handler",
-    "hivemind.utils.timed_storage": "get_dht_time ValueWithExpiration TimedStorage DHTExpiration",
-    "hivemind.utils.serializer": "MSGPackSerializer",
-    "hivemind.utils.performance_ema": "PerformanceEMA",
-    "hivemind.utils.nested": "nested_flatten nested_pack nested_map",
-    "hivemind.utils.tensor_descr": "TensorDescriptor BatchTensorDescriptor",
-    "hivemind.utils.streaming": "split_for_streaming combine_from_streaming",
-    "hivemind.utils.crypto": "RSAPrivateKey",
-    "hivemind.utils.multiaddr": "Multiaddr",
-    "hivemind.proto.runtime_pb2": "CompressionType",
-}.items()}
+PUBLIC_NAMES = {
+    name: names.split()
+    for name, names in {
+        "hivemind": "DHT DecentralizedAverager GradScaler ModuleBackend Optimizer RemoteExpert "
+        "RemoteMixtureOfExperts RemoteSwitchMixtureOfExperts Server TrainingAverager "
+        "register_expert_class __version__ CollaborativeOptimizer DecentralizedSGD",
+        "hivemind.dht": "DHT DHTNode DHTID DHTValue",
+        "hivemind.dht.node": "DHTNode DHTID",
+        "hivemind.dht.crypto": "RSASignatureValidator",
+        "hivemind.dht.schema": "SchemaValidator BytesWithPublicKey",
+        "hivemind.dht.validation": "DHTRecord RecordValidatorBase CompositeValidator",
+        "hivemind.dht.routing": "DHTID",
+        "hivemind.averaging": "DecentralizedAverager",
+        "hivemind.averaging.control": "StepControl AveragingStage",
+        "hivemind.optim": "GradScaler Optimizer TrainingAverager CollaborativeOptimizer DecentralizedOptimizer "
+        "DecentralizedSGD DecentralizedAdam",
+        "hivemind.optim.grad_averager": "GradientAverager GradientAveragerFactory",
+        "hivemind.optim.power_sgd_averager": "PowerSGDGradientAverager",
+        "hivemind.optim.progress_tracker": "ProgressTracker",
+        "hivemind.optim.state_averager": "TrainingStateAverager",
+        "hivemind.optim.collaborative": "CollaborativeOptimizer CollaborationState",
+        "hivemind.compression": "BlockwiseQuantization CompressionBase CompressionInfo Float16Compression "
+        "NoCompression PerTensorCompression Quantile8BitQuantization "
+        "RoleAdaptiveCompression ScaledFloat16Compression SizeAdaptiveCompression "
+        "TensorRole Uniform8BitQuantization deserialize_tensor_stream "
+        "deserialize_torch_tensor serialize_torch_tensor",
+        "hivemind.compression.adaptive": "AdaptiveCompressionBase PerTensorCompression",
+        "hivemind.moe": "ModuleBackend RemoteExpert RemoteMixtureOfExperts RemoteSwitchMixtureOfExperts Server "
+        "background_server declare_experts get_experts register_expert_class",
+        "hivemind.moe.server": "ModuleBackend Server background_server declare_experts get_experts "
+        "register_expert_class",
+        "hivemind.moe.server.dht_handler": "declare_experts get_experts",
+        "hivemind.moe.server.layers": "name_to_block name_to_input get_linear_schedule_with_warmup",
+        "hivemind.moe.server.layers.lr_schedule": "get_linear_schedule_with_warmup",
+        "hivemind.moe.client": "RemoteExpert RemoteMixtureOfExperts RemoteSwitchMixtureOfExperts",
+        "hivemind.moe.client.expert": "RemoteExpert create_remote_experts",
+        "hivemind.moe.client.beam_search": "MoEBeamSearcher",
+        "hivemind.moe.expert_uid": "ExpertInfo is_valid_uid is_valid_prefix split_uid UID_DELIMITER",
+        "hivemind.p2p": "P2P PeerID PeerInfo P2PDaemonError P2PHandlerError",
+        "hivemind.utils": "get_dht_time get_logger MSGPackSerializer ValueWithExpiration TimedStorage "
+        "PerformanceEMA nested_flatten nested_pack nested_map DHTExpiration "
+        "MAX_DHT_TIME_DISCREPANCY_SECONDS TensorDescriptor",
+        "hivemind.utils.logging": "get_logger use_hivemind_log_handler",
+        "hivemind.utils.timed_storage": "get_dht_time ValueWithExpiration TimedStorage DHTExpiration",
+        "hivemind.utils.serializer": "MSGPackSerializer",
+        "hivemind.utils.performance_ema": "PerformanceEMA",
+        "hivemind.utils.nested": "nested_flatten nested_pack nested_map",
+        "hivemind.utils.tensor_descr": "TensorDescriptor BatchTensorDescriptor",
+        "hivemind.utils.streaming": "split_for_streaming combine_from_streaming",
+        "hivemind.utils.crypto": "RSAPrivateKey",
+        "hivemind.utils.multiaddr": "Multiaddr",
+        "hivemind.proto.runtime_pb2": "CompressionType",
+    }.items()
+}
 
 
 @pytest.mark.parametrize("path", sorted(PUBLIC_NAMES))
@@ -129,11 +132,18 @@ def test_subpackages_export_hivemind_names_and_the_hook_is_refused_after_the_rea
 
 def test_python_m_plexus_compat_runs_an_unedited_script(tmp_path):
     script = tmp_path / "uses_hivemind.py"
-    script.write_text("import sys\nfrom hivemind.utils import get_dht_time\nimport helper\n"
-                      "print(helper.VALUE, get_dht_time() > 0, sys.argv[1:])\n")
+    script.write_text(
+        "import sys\nfrom hivemind.utils import get_dht_time\nimport helper\n"
+        "print(helper.VALUE, get_dht_time() > 0, sys.argv[1:])\n"
+    )
     (tmp_path / "helper.py").write_text("VALUE = 'found next to the script'\n")
-    result = subprocess.run([sys.executable, "-m", "plexus.compat", str(script), "--flag", "x"],
-                            capture_output=True, text=True, timeout=50, cwd="/")
+    result = subprocess.run(
+        [sys.executable, "-m", "plexus.compat", str(script), "--flag", "x"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        cwd="/",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "found next to the script True ['--flag', 'x']"
     with pytest.raises(SystemExit) as usage:

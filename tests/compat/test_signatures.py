@@ -21,19 +21,27 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_rsa_validator_signs_its_own_records_and_refuses_forgeries():
-    receiver, sender, mallory = RSASignatureValidator(), RSASignatureValidator(RSAPrivateKey()), \
-        RSASignatureValidator(RSAPrivateKey())
+    receiver, sender, mallory = (
+        RSASignatureValidator(),
+        RSASignatureValidator(RSAPrivateKey()),
+        RSASignatureValidator(RSAPrivateKey()),
+    )
     assert RSASignatureValidator().local_public_key == receiver.local_public_key  # the process-wide key
     assert sender.local_public_key.startswith(b"[owner:ssh-rsa ")
     plain = DHTRecord(b"key", b"subkey", b"value", get_dht_time() + 10)
     assert sender.sign_value(plain) == b"value" and receiver.validate(plain)
-    for owned in (dataclasses.replace(plain, key=b"key" + sender.local_public_key),
-                  dataclasses.replace(plain, subkey=b"subkey" + sender.local_public_key)):
+    for owned in (
+        dataclasses.replace(plain, key=b"key" + sender.local_public_key),
+        dataclasses.replace(plain, subkey=b"subkey" + sender.local_public_key),
+    ):
         signed = dataclasses.replace(owned, value=sender.sign_value(owned))
         assert receiver.validate(signed) and receiver.strip_value(signed) == b"value"
-        for forged in (owned, dataclasses.replace(owned, value=b"value[signature:INVALID]"),
-                       dataclasses.replace(owned, value=mallory.sign_value(owned)),
-                       dataclasses.replace(signed, expiration_time=signed.expiration_time + 1)):
+        for forged in (
+            owned,
+            dataclasses.replace(owned, value=b"value[signature:INVALID]"),
+            dataclasses.replace(owned, value=mallory.sign_value(owned)),
+            dataclasses.replace(signed, expiration_time=signed.expiration_time + 1),
+        ):
             assert not receiver.validate(forged)
     copy = pickle.loads(pickle.dumps(sender))  # validators travel between processes with their key
     owned = dataclasses.replace(plain, subkey=sender.local_public_key)
@@ -91,8 +99,13 @@ def test_schema_validator_takes_v1_and_v2_models(schema):
         for value, subkey in ((666, None), ("foo", None), ([1, 2], None), (b"foo", b"subkey")):
             assert not await bob.store("experiment_name", value, now + 10, subkey=subkey)
         assert await bob.store("n_batches", 777, now + 10, subkey=b"uid1")
-        for value, subkey in ((-1, b"uid2"), (779.0, b"uid2"), (b"x", b"uid2"), (5, None),
-                              ({b"uid2": 5}, None)):
+        for value, subkey in (
+            (-1, b"uid2"),
+            (779.0, b"uid2"),
+            (b"x", b"uid2"),
+            (5, None),
+            ({b"uid2": 5}, None),
+        ):
             assert not await bob.store("n_batches", value, now + 10, subkey=subkey)
         assert await bob.store("signed_data", b"data", now + 10, subkey=b"uid" + owner)
         assert not await bob.store("signed_data", b"data", now + 10, subkey=b"uid-without-an-owner")

@@ -7,7 +7,13 @@ from .quorum import TooFewExpertsError
 from .switch_moe import RemoteSwitchMixtureOfExperts
 
 __all__ = [
-    "MoEBeamSearcher", "RemoteExpert", "RemoteExpertError", "RemoteMixtureOfExperts",
-    "RemoteSwitchMixtureOfExperts", "TooFewExpertsError", "expert_backward", "expert_forward",
+    "MoEBeamSearcher",
+    "RemoteExpert",
+    "RemoteExpertError",
+    "RemoteMixtureOfExperts",
+    "RemoteSwitchMixtureOfExperts",
+    "TooFewExpertsError",
+    "expert_backward",
+    "expert_forward",
     "get_expert_schema",
 ]

@@ -49,8 +49,10 @@ class BeamSearch:
         if not prefix.endswith(UID_DELIMITER):
             raise ValueError(f"uid prefix {prefix!r} must end with {UID_DELIMITER!r}")
         if beam_size < 1 or not grid_scores or any(len(scores) == 0 for scores in grid_scores):
-            raise ValueError(f"need beam_size >= 1 and a non-empty grid, got {beam_size} and "
-                             f"{[len(scores) for scores in grid_scores]}")
+            raise ValueError(
+                f"need beam_size >= 1 and a non-empty grid, got {beam_size} and "
+                f"{[len(scores) for scores in grid_scores]}"
+            )
         self.prefix, self.beam_size = prefix, beam_size
         self.scores = [[float(x) for x in scores] for scores in grid_scores]
         self.dims = len(self.scores)
@@ -99,14 +101,15 @@ class BeamSearch:
         return [(score, uid) for uid, (score, _) in self._best()]
 
     def _best(self) -> list[tuple[ExpertUID, tuple[float, PeerID]]]:
-        return heapq.nsmallest(self.beam_size, self._candidates.items(),
-                               key=lambda item: (-item[1][0], item[0]))
+        return heapq.nsmallest(
+            self.beam_size, self._candidates.items(), key=lambda item: (-item[1][0], item[0])
+        )
 
     # --- steps ---------------------------------------------------------------------------------
 
     def _ask_first_dimension(self) -> None:
         need = self.beam_size - len(self._beam)
-        chosen = self._first[self._next_first:self._next_first + need]
+        chosen = self._first[self._next_first : self._next_first + need]
         self._next_first += len(chosen)
         self._pending = [(self.scores[0][i], f"{self.prefix}{i}{UID_DELIMITER}") for i in chosen]
 
@@ -117,8 +120,12 @@ class BeamSearch:
             self._pending = []  # the last dimension's entries are the experts: collected already
             return
         scores = self.scores[dim]
-        extensions = [(score + scores[c], f"{prefix}{c}{UID_DELIMITER}")
-                      for score, prefix, entries in self._beam for c in entries if 0 <= c < len(scores)]
+        extensions = [
+            (score + scores[c], f"{prefix}{c}{UID_DELIMITER}")
+            for score, prefix, entries in self._beam
+            for c in entries
+            if 0 <= c < len(scores)
+        ]
         self._pending = heapq.nsmallest(self.beam_size, extensions, key=lambda item: (-item[0], item[1]))
         self._depth += 1
         if not self._pending:
@@ -134,7 +141,7 @@ class BeamSearch:
         """The uid's exact score, or None when it is not a point of this grid."""
         if not uid.startswith(self.prefix):
             return None
-        coordinates = uid[len(self.prefix):].split(UID_DELIMITER)
+        coordinates = uid[len(self.prefix) :].split(UID_DELIMITER)
         if len(coordinates) != self.dims:
             return None
         total = 0.0

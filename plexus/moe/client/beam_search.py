@@ -45,8 +45,15 @@ class MoEBeamSearcher:
         num_workers: accepted for hivemind compatibility; lookups are batched instead.
     """
 
-    def __init__(self, dht, uid_prefix: str, grid_size: Sequence[int], num_workers: int | None = None,
-                 negative_caching: bool = True, cache_expiration: float = 300):
+    def __init__(
+        self,
+        dht,
+        uid_prefix: str,
+        grid_size: Sequence[int],
+        num_workers: int | None = None,
+        negative_caching: bool = True,
+        cache_expiration: float = 300,
+    ):
         if not uid_prefix.endswith(UID_DELIMITER):
             uid_prefix += UID_DELIMITER
         if not is_valid_prefix(uid_prefix):
@@ -60,14 +67,15 @@ class MoEBeamSearcher:
 
     # --- asyncio API (on the DHT's loop) --------------------------------------------------------------
 
-    async def fetch_successors(self, node: DHTNode,
-                               prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
+    async def fetch_successors(
+        self, node: DHTNode, prefixes: Sequence[ExpertPrefix]
+    ) -> dict[ExpertPrefix, Successors]:
         """The populated next coordinates of each prefix (empty dict: none), from one DHT lookup."""
         found = await node.get_many(list(prefixes))
         result = {}
         for prefix in prefixes:
             record = found.get(prefix)
-            depth = prefix[len(self.uid_prefix):].count(UID_DELIMITER)
+            depth = prefix[len(self.uid_prefix) :].count(UID_DELIMITER)
             grid = self.grid_size[depth] if depth < len(self.grid_size) else None
             result[prefix] = parse_successors(prefix, record.value, grid) if record is not None else {}
             if record is None and self.negative_caching:
@@ -79,7 +87,8 @@ class MoEBeamSearcher:
             return
         logger.debug(f"no experts under {prefix}: caching that for {self.cache_expiration} s")
         task = asyncio.get_running_loop().create_task(
-            node.store(prefix, None, get_dht_time() + self.cache_expiration, subkey=EMPTY_PREFIX_SUBKEY))
+            node.store(prefix, None, get_dht_time() + self.cache_expiration, subkey=EMPTY_PREFIX_SUBKEY)
+        )
         self._caching_tasks.add(task)
         task.add_done_callback(self._caching_done)
 
@@ -88,16 +97,18 @@ class MoEBeamSearcher:
         if not task.cancelled() and task.exception() is not None:
             logger.debug(f"negative caching failed: {task.exception()!r}")
 
-    async def batch_find_best_experts_async(self, node: DHTNode, batch_grid_scores: Sequence[Sequence],
-                                            beam_size: int) -> list[list[ExpertInfo]]:
+    async def batch_find_best_experts_async(
+        self, node: DHTNode, batch_grid_scores: Sequence[Sequence], beam_size: int
+    ) -> list[list[ExpertInfo]]:
         """For each sample (a list of per-dimension scores), its best experts, best first."""
         searches = []
         for grid_scores in batch_grid_scores:
             scores = [_as_floats(s) for s in grid_scores]
             # as in hivemind, a dimension may be scored short: coordinates past its scores are not chosen
             if len(scores) != len(self.grid_size) or any(len(s) > n for s, n in zip(scores, self.grid_size)):
-                raise ValueError(f"scores of sizes {[len(s) for s in scores]} do not fit grid_size "
-                                 f"{self.grid_size}")
+                raise ValueError(
+                    f"scores of sizes {[len(s) for s in scores]} do not fit grid_size {self.grid_size}"
+                )
             searches.append(BeamSearch(self.uid_prefix, scores, beam_size))
         known: dict[ExpertPrefix, Successors] = {}
         while True:
@@ -111,8 +122,9 @@ class MoEBeamSearcher:
                 search.feed(known)
         return [[ExpertInfo(uid, peer_id) for uid, peer_id in search.result()] for search in searches]
 
-    async def find_best_experts_async(self, node: DHTNode, grid_scores: Sequence,
-                                      beam_size: int) -> list[ExpertInfo]:
+    async def find_best_experts_async(
+        self, node: DHTNode, grid_scores: Sequence, beam_size: int
+    ) -> list[ExpertInfo]:
         return (await self.batch_find_best_experts_async(node, [grid_scores], beam_size))[0]
 
     # --- synchronous API (hivemind's) -----------------------------------------------------------------
@@ -120,18 +132,24 @@ class MoEBeamSearcher:
     def _remote(self, infos: list[ExpertInfo]) -> list[RemoteExpert]:
         return [RemoteExpert(info, self.dht.host) for info in infos]
 
-    def find_best_experts(self, grid_scores: Sequence, beam_size: int,
-                          return_future: bool = False) -> list[RemoteExpert] | concurrent.futures.Future:
+    def find_best_experts(
+        self, grid_scores: Sequence, beam_size: int, return_future: bool = False
+    ) -> list[RemoteExpert] | concurrent.futures.Future:
         """The `beam_size` best experts for one sample's per-dimension scores, best first."""
+
         async def search(dht, node):
             infos = await self.find_best_experts_async(node, grid_scores, beam_size)
             await learn_addresses(node, dht.host, [info.peer_id for info in infos])
             return self._remote(infos)
+
         return self.dht.run_coroutine(search, return_future=return_future)
 
-    def batch_find_best_experts(self, batch_grid_scores: Sequence, beam_size: int,
-                                return_future: bool = False,
-                                ) -> list[list[RemoteExpert]] | concurrent.futures.Future:
+    def batch_find_best_experts(
+        self,
+        batch_grid_scores: Sequence,
+        beam_size: int,
+        return_future: bool = False,
+    ) -> list[list[RemoteExpert]] | concurrent.futures.Future:
         """`find_best_experts` for each sample. `batch_grid_scores` is a list of samples, each a list
         of per-dimension scores (hivemind takes per-dimension [batch, size] arrays; both work)."""
         samples = _samples(batch_grid_scores, len(self.grid_size))
@@ -140,10 +158,12 @@ class MoEBeamSearcher:
             found = await self.batch_find_best_experts_async(node, samples, beam_size)
             await learn_addresses(node, dht.host, [info.peer_id for infos in found for info in infos])
             return [self._remote(infos) for infos in found]
+
         return self.dht.run_coroutine(search, return_future=return_future)
 
-    async def get_initial_beam_async(self, node: DHTNode, scores: Sequence[float],
-                                     beam_size: int) -> list[tuple[float, ExpertPrefix, Successors]]:
+    async def get_initial_beam_async(
+        self, node: DHTNode, scores: Sequence[float], beam_size: int
+    ) -> list[tuple[float, ExpertPrefix, Successors]]:
         """The first step of a search: (score, prefix, successors) of the `beam_size` best-scoring
         populated prefixes `uid_prefix{i}.` of the first dimension, best first. Prefixes are looked
         up best first, `beam_size` per DHT lookup, until enough are found or none are left."""
@@ -154,14 +174,19 @@ class MoEBeamSearcher:
             batch, order = order[:beam_size], order[beam_size:]
             prefixes = [f"{self.uid_prefix}{index}{UID_DELIMITER}" for index in batch]
             found = await self.fetch_successors(node, prefixes)
-            beam += [(scores[index], prefix, found[prefix])
-                     for index, prefix in zip(batch, prefixes) if found[prefix]]
+            beam += [
+                (scores[index], prefix, found[prefix])
+                for index, prefix in zip(batch, prefixes)
+                if found[prefix]
+            ]
         return beam[:beam_size]
 
     def get_initial_beam(self, scores: Sequence[float], beam_size: int, return_future: bool = False):
         """`get_initial_beam_async` from any thread (hivemind's API)."""
+
         async def fetch(dht, node):
             return await self.get_initial_beam_async(node, scores, beam_size)
+
         return self.dht.run_coroutine(fetch, return_future=return_future)
 
     def get_active_successors(self, prefixes: Sequence[ExpertPrefix]) -> dict[ExpertPrefix, Successors]:
@@ -172,6 +197,7 @@ class MoEBeamSearcher:
 
         async def fetch(dht, node):
             return await self.fetch_successors(node, list(prefixes))
+
         return self.dht.run_coroutine(fetch)
 
 

@@ -73,8 +73,13 @@ class MixtureCall:
         groups = []
         for expert, (rows, slots) in by_expert.items():
             for start in range(0, len(rows), limit):
-                groups.append(Group(expert, torch.tensor(rows[start:start + limit], dtype=torch.long),
-                                    torch.tensor(slots[start:start + limit], dtype=torch.long)))
+                groups.append(
+                    Group(
+                        expert,
+                        torch.tensor(rows[start : start + limit], dtype=torch.long),
+                        torch.tensor(slots[start : start + limit], dtype=torch.long),
+                    )
+                )
         return groups
 
 
@@ -100,14 +105,23 @@ class RemoteCallMany(torch.autograd.Function):
         groups = call.groups()
         device = inputs[0].device
         cpu_inputs = [t.cpu() for t in inputs]
-        answers = _run_groups(call, groups, [[t.index_select(0, g.rows) for t in cpu_inputs] for g in groups],
-                              call.k_min, call.forward_deadline, forward=True)
+        answers = _run_groups(
+            call,
+            groups,
+            [[t.index_select(0, g.rows) for t in cpu_inputs] for g in groups],
+            call.k_min,
+            call.forward_deadline,
+            forward=True,
+        )
         mask = torch.zeros(batch, k, dtype=torch.bool)
         outputs = []
         for index, descriptor in enumerate(call.schema.outputs_schema):
             sample = next((answer[index] for answer in answers.values()), None)
-            shape = tuple(sample.shape[1:]) if sample is not None else tuple(1 if d is None else d
-                                                                              for d in descriptor.shape)
+            shape = (
+                tuple(sample.shape[1:])
+                if sample is not None
+                else tuple(1 if d is None else d for d in descriptor.shape)
+            )
             outputs.append(torch.zeros(batch, k, *shape, dtype=descriptor.torch_dtype))
         for i, answer in answers.items():
             group = groups[i]
@@ -115,9 +129,11 @@ class RemoteCallMany(torch.autograd.Function):
             for output, tensor in zip(outputs, answer):
                 output[group.rows, group.slots] = tensor
         if not answers and batch and not call.allow_zero_outputs:
-            raise RuntimeError(f"forward: none of the {len(groups)} chosen experts answered "
-                               f"(allow_zero_outputs is off); check that expert servers are running and "
-                               f"reachable")
+            raise RuntimeError(
+                f"forward: none of the {len(groups)} chosen experts answered "
+                f"(allow_zero_outputs is off); check that expert servers are running and "
+                f"reachable"
+            )
         ctx.call, ctx.groups, ctx.alive = call, groups, sorted(answers)
         ctx.save_for_backward(*inputs)
         ctx.mark_non_differentiable(mask)
@@ -132,13 +148,18 @@ class RemoteCallMany(torch.autograd.Function):
         inputs = ctx.saved_tensors
         groups = [ctx.groups[i] for i in ctx.alive]
         descriptors = call.schema.inputs_schema
-        grad_inputs = [torch.zeros(t.shape, dtype=t.dtype) if d.requires_grad else None
-                       for t, d in zip(inputs, descriptors)]
+        grad_inputs = [
+            torch.zeros(t.shape, dtype=t.dtype) if d.requires_grad else None
+            for t, d in zip(inputs, descriptors)
+        ]
         if groups:
             cpu_inputs = [t.cpu() for t in inputs]
             cpu_grads = [g.cpu() for g in grad_outputs]
-            payloads = [[t.index_select(0, g.rows) for t in cpu_inputs]
-                        + [grad[g.rows, g.slots] for grad in cpu_grads] for g in groups]
+            payloads = [
+                [t.index_select(0, g.rows) for t in cpu_inputs]
+                + [grad[g.rows, g.slots] for grad in cpu_grads]
+                for g in groups
+            ]
             deadline = None if call.backward_timeout is None else time.monotonic() + call.backward_timeout
             answers = _run_groups(call, groups, payloads, call.backward_k_min, deadline, forward=False)
             for i, answer in answers.items():
@@ -150,8 +171,15 @@ class RemoteCallMany(torch.autograd.Function):
         return (None, None, *(None if g is None else g.to(device) for g in grad_inputs))
 
 
-def _run_groups(call: MixtureCall, groups: list[Group], payloads: list[list[torch.Tensor]], k_min: int,
-                deadline: float | None, *, forward: bool) -> dict[int, list[torch.Tensor]]:
+def _run_groups(
+    call: MixtureCall,
+    groups: list[Group],
+    payloads: list[list[torch.Tensor]],
+    k_min: int,
+    deadline: float | None,
+    *,
+    forward: bool,
+) -> dict[int, list[torch.Tensor]]:
     """Send every group its payload at once; the answers of those that made it, by group index."""
     n_inputs = len(call.schema.inputs_schema)
 
@@ -162,11 +190,13 @@ def _run_groups(call: MixtureCall, groups: list[Group], payloads: list[list[torc
             if forward:
                 answer = await expert_forward(call.host, group.expert, call.schema, payload, timeout)
             else:
-                answer = await expert_backward(call.host, group.expert, call.schema, payload[:n_inputs],
-                                               payload[n_inputs:], timeout)
+                answer = await expert_backward(
+                    call.host, group.expert, call.schema, payload[:n_inputs], payload[n_inputs:], timeout
+                )
             if call.detect_anomalies:
                 _check_finite(answer, f"{group.expert.uid} answered a tensor; tensor")
             return answer
+
         return one
 
     rows = [group.samples for group in groups]
@@ -179,10 +209,19 @@ def _run_groups(call: MixtureCall, groups: list[Group], payloads: list[list[torc
                 alive[sample] += 1
         required = [min(k_min, n) for n in alive]
     phase = "forward" if forward else "backward"
+
     def describe(i: int) -> str:
         return f"expert {groups[i].expert.uid} on {groups[i].expert.peer_id}"
 
-    coroutine = call_with_quorum([make_call(g, p) for g, p in zip(groups, payloads)], rows, len(call.chosen),
-                                 required, call.timeout_after_k_min, deadline, describe, phase)
+    coroutine = call_with_quorum(
+        [make_call(g, p) for g, p in zip(groups, payloads)],
+        rows,
+        len(call.chosen),
+        required,
+        call.timeout_after_k_min,
+        deadline,
+        describe,
+        phase,
+    )
     remaining = _remaining(deadline)
     return get_background_loop().run(coroutine, None if remaining is None else remaining + GRACE)

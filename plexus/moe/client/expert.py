@@ -56,63 +56,131 @@ class RemoteExpertError(RuntimeError):
     """The server answered something that does not fit the expert's schema (the server's fault)."""
 
 
-async def get_expert_schema(host: Host, expert: ExpertInfo, timeout: float | None = DEFAULT_TIMEOUT) -> ExpertSchema:
+async def get_expert_schema(
+    host: Host, expert: ExpertInfo, timeout: float | None = DEFAULT_TIMEOUT
+) -> ExpertSchema:
     """Ask the server for the expert's schema (rpc.RPCError if it does not serve that uid)."""
-    schema = await rpc.call(host, expert.peer_id, INFO_PROTOCOL, InfoRequest(expert.uid), ExpertSchema,
-                            timeout=timeout, max_message_size=MAX_FRAME)
+    schema = await rpc.call(
+        host,
+        expert.peer_id,
+        INFO_PROTOCOL,
+        InfoRequest(expert.uid),
+        ExpertSchema,
+        timeout=timeout,
+        max_message_size=MAX_FRAME,
+    )
     if schema.uid != expert.uid:
-        raise RemoteExpertError(f"{expert.peer_id} answered the schema of {schema.uid!r} when asked for {expert.uid!r}")
+        raise RemoteExpertError(
+            f"{expert.peer_id} answered the schema of {schema.uid!r} when asked for {expert.uid!r}"
+        )
     return schema
 
 
 def _expected_bytes(schema: Sequence[BatchTensorDescriptor], batch_size: int) -> int:
-    return sum(batch_size * math.prod(1 if d is None else d for d in s.shape) * s.torch_dtype.itemsize
-               for s in schema)
+    return sum(
+        batch_size * math.prod(1 if d is None else d for d in s.shape) * s.torch_dtype.itemsize
+        for s in schema
+    )
 
 
-async def _call(host: Host, expert: ExpertInfo, protocols: tuple[str, str], tensors: Sequence[torch.Tensor],
-                schema: Sequence[BatchTensorDescriptor], answer: Sequence[BatchTensorDescriptor],
-                timeout: float | None) -> list[torch.Tensor]:
+async def _call(
+    host: Host,
+    expert: ExpertInfo,
+    protocols: tuple[str, str],
+    tensors: Sequence[torch.Tensor],
+    schema: Sequence[BatchTensorDescriptor],
+    answer: Sequence[BatchTensorDescriptor],
+    timeout: float | None,
+) -> list[torch.Tensor]:
     serialized = serialize_tensors(tensors, schema)
     batch_size = tensors[0].shape[0]
     unary, streaming = protocols
     if max(payload_size(serialized), _expected_bytes(answer, batch_size)) <= MAX_UNARY_PAYLOAD:
-        response = await rpc.call(host, expert.peer_id, unary, ExpertRequest(expert.uid, unary_message(serialized)),
-                                  ExpertResponse, timeout=timeout, max_message_size=MAX_FRAME)
+        response = await rpc.call(
+            host,
+            expert.peer_id,
+            unary,
+            ExpertRequest(expert.uid, unary_message(serialized)),
+            ExpertResponse,
+            timeout=timeout,
+            max_message_size=MAX_FRAME,
+        )
         try:
             outputs = deserialize_unary(response.tensors)
         except CompressionError as error:
-            raise RemoteExpertError(f"{expert.peer_id} sent a malformed answer for {expert.uid!r}: {error}") from None
+            raise RemoteExpertError(
+                f"{expert.peer_id} sent a malformed answer for {expert.uid!r}: {error}"
+            ) from None
     else:
+
         async def requests():
             for i, chunks in enumerate(stream_messages(serialized)):
                 yield ExpertRequest(expert.uid if i == 0 else "", chunks)
+
         try:
-            outputs = await collect_stream(rpc.call_stream(host, expert.peer_id, streaming, requests(), ExpertResponse,
-                                                           timeout=timeout, max_message_size=MAX_FRAME))
+            outputs = await collect_stream(
+                rpc.call_stream(
+                    host,
+                    expert.peer_id,
+                    streaming,
+                    requests(),
+                    ExpertResponse,
+                    timeout=timeout,
+                    max_message_size=MAX_FRAME,
+                )
+            )
         except CompressionError as error:
-            raise RemoteExpertError(f"{expert.peer_id} sent a malformed answer for {expert.uid!r}: {error}") from None
+            raise RemoteExpertError(
+                f"{expert.peer_id} sent a malformed answer for {expert.uid!r}: {error}"
+            ) from None
     if len(outputs) != len(answer) or any(
-            d.mismatch(tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype))) or t.shape[0] != batch_size
-            for t, d in zip(outputs, answer)):
-        raise RemoteExpertError(f"{expert.peer_id} answered {expert.uid!r} with tensors "
-                                f"{[(tuple(t.shape), t.dtype) for t in outputs]} that do not fit its schema {answer}")
+        d.mismatch(tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype))) or t.shape[0] != batch_size
+        for t, d in zip(outputs, answer)
+    ):
+        raise RemoteExpertError(
+            f"{expert.peer_id} answered {expert.uid!r} with tensors "
+            f"{[(tuple(t.shape), t.dtype) for t in outputs]} that do not fit its schema {answer}"
+        )
     return outputs
 
 
-async def expert_forward(host: Host, expert: ExpertInfo, schema: ExpertSchema, inputs: Sequence[torch.Tensor],
-                         timeout: float | None = DEFAULT_TIMEOUT) -> list[torch.Tensor]:
+async def expert_forward(
+    host: Host,
+    expert: ExpertInfo,
+    schema: ExpertSchema,
+    inputs: Sequence[torch.Tensor],
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> list[torch.Tensor]:
     """Outputs of the expert for flat inputs (args, then kwargs in `schema.kwargs_names` order)."""
-    return await _call(host, expert, (FORWARD_PROTOCOL, FORWARD_STREAM_PROTOCOL), inputs, schema.inputs_schema,
-                       schema.outputs_schema, timeout)
+    return await _call(
+        host,
+        expert,
+        (FORWARD_PROTOCOL, FORWARD_STREAM_PROTOCOL),
+        inputs,
+        schema.inputs_schema,
+        schema.outputs_schema,
+        timeout,
+    )
 
 
-async def expert_backward(host: Host, expert: ExpertInfo, schema: ExpertSchema, inputs: Sequence[torch.Tensor],
-                          grad_outputs: Sequence[torch.Tensor],
-                          timeout: float | None = DEFAULT_TIMEOUT) -> list[torch.Tensor]:
+async def expert_backward(
+    host: Host,
+    expert: ExpertInfo,
+    schema: ExpertSchema,
+    inputs: Sequence[torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor],
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> list[torch.Tensor]:
     """Gradients for the inputs whose descriptor requires grad (the server also trains the expert)."""
-    return await _call(host, expert, (BACKWARD_PROTOCOL, BACKWARD_STREAM_PROTOCOL), [*inputs, *grad_outputs],
-                       schema.inputs_schema + schema.outputs_schema, schema.grad_inputs_schema, timeout)
+    return await _call(
+        host,
+        expert,
+        (BACKWARD_PROTOCOL, BACKWARD_STREAM_PROTOCOL),
+        [*inputs, *grad_outputs],
+        schema.inputs_schema + schema.outputs_schema,
+        schema.grad_inputs_schema,
+        timeout,
+    )
 
 
 class RemoteExpert(nn.Module):
@@ -162,8 +230,10 @@ class RemoteExpert(nn.Module):
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor):
         schema = self.schema
         if len(args) != len(schema.args_schema) or set(kwargs) != set(schema.kwargs_names):
-            raise TypeError(f"expert {self.uid!r} takes {len(schema.args_schema)} positional tensors and keywords "
-                            f"{list(schema.kwargs_names)}, got {len(args)} and {sorted(kwargs)}")
+            raise TypeError(
+                f"expert {self.uid!r} takes {len(schema.args_schema)} positional tensors and keywords "
+                f"{list(schema.kwargs_names)}, got {len(args)} and {sorted(kwargs)}"
+            )
         inputs = [*args, *(kwargs[name] for name in schema.kwargs_names)]
         outputs = _RemoteCall.apply(DUMMY, self, *inputs)
         return outputs if schema.outputs_tuple else outputs[0]
@@ -180,7 +250,9 @@ class _RemoteCall(torch.autograd.Function):
         inputs = tuple(t.detach() for t in inputs)
         ctx.expert = expert
         ctx.save_for_backward(*inputs)
-        outputs = expert._run(expert_forward(expert.host, expert.expert_info, expert.schema, inputs, expert.timeout))
+        outputs = expert._run(
+            expert_forward(expert.host, expert.expert_info, expert.schema, inputs, expert.timeout)
+        )
         device = inputs[0].device if inputs else torch.device("cpu")
         outputs = tuple(t.to(device) for t in outputs)
         ctx.mark_non_differentiable(*(t for t in outputs if not t.is_floating_point()))
@@ -191,8 +263,15 @@ class _RemoteCall(torch.autograd.Function):
     def backward(ctx, *grad_outputs: torch.Tensor):
         expert: RemoteExpert = ctx.expert
         inputs = ctx.saved_tensors
-        grads = iter(expert._run(expert_backward(expert.host, expert.expert_info, expert.schema, inputs,
-                                                 grad_outputs, expert.timeout)))
-        grad_inputs = [next(grads).to(device=t.device, dtype=t.dtype) if d.requires_grad else None
-                       for t, d in zip(inputs, expert.schema.inputs_schema)]
+        grads = iter(
+            expert._run(
+                expert_backward(
+                    expert.host, expert.expert_info, expert.schema, inputs, grad_outputs, expert.timeout
+                )
+            )
+        )
+        grad_inputs = [
+            next(grads).to(device=t.device, dtype=t.dtype) if d.requires_grad else None
+            for t, d in zip(inputs, expert.schema.inputs_schema)
+        ]
         return (None, None, *grad_inputs)

@@ -54,15 +54,29 @@ class RemoteMixtureOfExperts(nn.Module):
         **dht_kwargs: to MoEBeamSearcher (negative_caching, cache_expiration, num_workers).
     """
 
-    def __init__(self, *, in_features: int, grid_size: Sequence[int], dht, uid_prefix: str, k_best: int,
-                 k_min: int = 1, forward_timeout: float | None = None,
-                 timeout_after_k_min: float | None = None, backward_k_min: int = 1,
-                 backward_timeout: float | None = None, detect_anomalies: bool = False,
-                 allow_zero_outputs: bool = False, **dht_kwargs):
+    def __init__(
+        self,
+        *,
+        in_features: int,
+        grid_size: Sequence[int],
+        dht,
+        uid_prefix: str,
+        k_best: int,
+        k_min: int = 1,
+        forward_timeout: float | None = None,
+        timeout_after_k_min: float | None = None,
+        backward_k_min: int = 1,
+        backward_timeout: float | None = None,
+        detect_anomalies: bool = False,
+        allow_zero_outputs: bool = False,
+        **dht_kwargs,
+    ):
         super().__init__()
         if not 0 <= k_min <= k_best or not 0 <= backward_k_min <= k_best:
-            raise ValueError(f"need 0 <= k_min ({k_min}) <= k_best ({k_best}) and 0 <= backward_k_min "
-                             f"({backward_k_min}) <= k_best")
+            raise ValueError(
+                f"need 0 <= k_min ({k_min}) <= k_best ({k_best}) and 0 <= backward_k_min "
+                f"({backward_k_min}) <= k_best"
+            )
         self.dht = dht
         self.beam_search = MoEBeamSearcher(dht, uid_prefix, grid_size, **dht_kwargs)
         self.k_best, self.k_min, self.backward_k_min = k_best, k_min, backward_k_min
@@ -100,14 +114,18 @@ class RemoteMixtureOfExperts(nn.Module):
         """The gate reads one vector per sample: middle dimensions are averaged."""
         return input.mean(dim=tuple(range(1, input.ndim - 1))) if input.ndim > 2 else input
 
-    def _find_experts(self, grid_scores: Sequence[torch.Tensor], deadline: float | None,
-                      ) -> tuple[list[list[ExpertInfo]], ExpertSchema]:
+    def _find_experts(
+        self,
+        grid_scores: Sequence[torch.Tensor],
+        deadline: float | None,
+    ) -> tuple[list[list[ExpertInfo]], ExpertSchema]:
         """Beam search and (once) the experts' schema: one trip to the loop, bounded by the deadline."""
         per_dimension = (scores.detach().float().cpu().tolist() for scores in grid_scores)
         samples = [list(per_sample) for per_sample in zip(*per_dimension)]
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return get_background_loop().run(self._find_experts_async(samples, remaining),
-                                         None if remaining is None else remaining + GRACE)
+        return get_background_loop().run(
+            self._find_experts_async(samples, remaining), None if remaining is None else remaining + GRACE
+        )
 
     async def _find_experts_async(self, samples, timeout: float | None):
         node = self.dht.node
@@ -121,7 +139,8 @@ class RemoteMixtureOfExperts(nn.Module):
                     raise TooFewExpertsError(
                         f"beam search found only {len(chosen[short[0]])} experts under {self.uid_prefix!r} for "
                         f"sample {short[0]} ({len(short)} samples in all), fewer than k_min={self.k_min}; are "
-                        f"enough expert servers announcing this grid {self.grid_size} in this DHT?")
+                        f"enough expert servers announcing this grid {self.grid_size} in this DHT?"
+                    )
                 phase = "finding the experts' servers"
                 await learn_addresses(node, self.dht.host, [e.peer_id for experts in chosen for e in experts])
                 if self._schema is None:
@@ -130,16 +149,20 @@ class RemoteMixtureOfExperts(nn.Module):
         except TimeoutError:
             if not deadline.expired():
                 raise  # e.g. TooFewExpertsError: not ours to rename
-            raise TimeoutError(f"forward_timeout of {self.forward_timeout} s passed during {phase} in "
-                               f"{self.uid_prefix!r}; the DHT or the experts are slow or "
-                               f"unreachable") from None
+            raise TimeoutError(
+                f"forward_timeout of {self.forward_timeout} s passed during {phase} in "
+                f"{self.uid_prefix!r}; the DHT or the experts are slow or "
+                f"unreachable"
+            ) from None
         return chosen, self._schema
 
     async def _fetch_schema(self, chosen: list[list[ExpertInfo]], timeout: float | None) -> ExpertSchema:
         candidates = list(dict.fromkeys(e for experts in chosen for e in experts))[:SCHEMA_CANDIDATES]
         if not candidates:
-            raise TooFewExpertsError(f"beam search found no experts under {self.uid_prefix!r} (grid "
-                                     f"{self.grid_size}); is an expert server announcing them in this DHT?")
+            raise TooFewExpertsError(
+                f"beam search found no experts under {self.uid_prefix!r} (grid "
+                f"{self.grid_size}); is an expert server announcing them in this DHT?"
+            )
         timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         tasks = [asyncio.ensure_future(get_expert_schema(self.dht.host, e, timeout)) for e in candidates]
         errors = []
@@ -152,38 +175,57 @@ class RemoteMixtureOfExperts(nn.Module):
         finally:
             for task in tasks:
                 task.cancel()
-        raise TooFewExpertsError(f"none of {len(candidates)} experts answered a schema request: "
-                                 f"{'; '.join(f'{type(e).__name__}: {e}' for e in errors[:3])}")
+        raise TooFewExpertsError(
+            f"none of {len(candidates)} experts answered a schema request: "
+            f"{'; '.join(f'{type(e).__name__}: {e}' for e in errors[:3])}"
+        )
 
-    def _call_experts(self, chosen, schema, deadline, input, args,
-                      kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _call_experts(
+        self, chosen, schema, deadline, input, args, kwargs
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The remote calls: a [batch, k] mask of who answered and each output as [batch, k, ...]."""
         if len(args) != len(schema.args_schema) - 1 or set(kwargs) != set(schema.kwargs_names):
-            raise TypeError(f"the experts take {len(schema.args_schema)} positional tensors and keywords "
-                            f"{list(schema.kwargs_names)}, got {1 + len(args)} and {sorted(kwargs)}")
+            raise TypeError(
+                f"the experts take {len(schema.args_schema)} positional tensors and keywords "
+                f"{list(schema.kwargs_names)}, got {1 + len(args)} and {sorted(kwargs)}"
+            )
         flat_inputs = [input, *args, *(kwargs[name] for name in schema.kwargs_names)]
         for index, (tensor, descriptor) in enumerate(zip(flat_inputs, schema.inputs_schema)):
             dtype = DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))
             problem = descriptor.mismatch(tuple(tensor.shape), dtype)
             if problem is not None:
-                raise ValueError(f"input {index} of the mixture has {problem}, as the experts under "
-                                 f"{self.uid_prefix!r} declare")
-        call = MixtureCall(self.dht.host, schema, chosen, self.k_min, self.backward_k_min,
-                           self.timeout_after_k_min, deadline, self.backward_timeout, self.detect_anomalies,
-                           self.allow_zero_outputs)
+                raise ValueError(
+                    f"input {index} of the mixture has {problem}, as the experts under "
+                    f"{self.uid_prefix!r} declare"
+                )
+        call = MixtureCall(
+            self.dht.host,
+            schema,
+            chosen,
+            self.k_min,
+            self.backward_k_min,
+            self.timeout_after_k_min,
+            deadline,
+            self.backward_timeout,
+            self.detect_anomalies,
+            self.allow_zero_outputs,
+        )
         mask, *expert_outputs = RemoteCallMany.apply(DUMMY, call, *flat_inputs)
         return mask, expert_outputs
 
     @staticmethod
     def _average(expert_outputs: list[torch.Tensor], weights: torch.Tensor) -> list[torch.Tensor]:
         """Weighted sums over the k slots (a non-float output takes the first slot's value)."""
-        return [torch.einsum("bk,bk...->b...", weights.to(t.dtype), t) if t.is_floating_point() else t[:, 0]
-                for t in expert_outputs]
+        return [
+            torch.einsum("bk,bk...->b...", weights.to(t.dtype), t) if t.is_floating_point() else t[:, 0]
+            for t in expert_outputs
+        ]
 
     # --- gating -------------------------------------------------------------------------------------
 
-    def chosen_coordinates(self, chosen: list[list[ExpertInfo]], device=None,
-                           dims: int | None = None) -> torch.Tensor:
+    def chosen_coordinates(
+        self, chosen: list[list[ExpertInfo]], device=None, dims: int | None = None
+    ) -> torch.Tensor:
         """[batch, k, dims] grid coordinates of the chosen experts (0 in empty slots). The coordinates
         are read from the uids, which must have `dims` of them (default: the grid's)."""
         k = max((len(experts) for experts in chosen), default=0)
@@ -193,13 +235,16 @@ class RemoteMixtureOfExperts(nn.Module):
         for experts in chosen:
             row = [[int(c) for c in expert.uid[start:].split(UID_DELIMITER)] for expert in experts]
             if any(len(coordinates) != dims for coordinates in row):
-                raise ValueError(f"expected uids {self.uid_prefix}<{dims} coordinates>, got "
-                                 f"{[expert.uid for expert in experts]}")
+                raise ValueError(
+                    f"expected uids {self.uid_prefix}<{dims} coordinates>, got "
+                    f"{[expert.uid for expert in experts]}"
+                )
             rows.append(row + [padding] * (k - len(experts)))
         return torch.tensor(rows, dtype=torch.long, device=device).view(len(chosen), k, dims)
 
-    def compute_expert_scores(self, grid_scores: Sequence[torch.Tensor],
-                              chosen: list[list[ExpertInfo]]) -> torch.Tensor:
+    def compute_expert_scores(
+        self, grid_scores: Sequence[torch.Tensor], chosen: list[list[ExpertInfo]]
+    ) -> torch.Tensor:
         """[batch, k] logits of the chosen experts: the sums of their coordinates' gate scores, one
         [batch, size] score tensor per coordinate of their uids."""
         coordinates = self.chosen_coordinates(chosen, grid_scores[0].device, dims=len(grid_scores))
@@ -214,5 +259,7 @@ class RemoteMixtureOfExperts(nn.Module):
         return torch.softmax(logits, dim=1) * mask
 
     def extra_repr(self) -> str:
-        return (f"uid_prefix={self.uid_prefix!r}, grid_size={self.grid_size}, k_best={self.k_best}, "
-                f"k_min={self.k_min}, forward_timeout={self.forward_timeout}")
+        return (
+            f"uid_prefix={self.uid_prefix!r}, grid_size={self.grid_size}, k_best={self.k_best}, "
+            f"k_min={self.k_min}, forward_timeout={self.forward_timeout}"
+        )

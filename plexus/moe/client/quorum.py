@@ -62,10 +62,16 @@ class Quorum:
         return [s for s, (possible, need) in enumerate(zip(self.possible, self.required)) if possible < need]
 
 
-async def call_with_quorum(calls: Sequence[Callable[[], Awaitable]], rows: Sequence[Sequence[int]],
-                           num_samples: int, k_min: int | Sequence[int], timeout_after_k_min: float | None,
-                           deadline: float | None, describe: Callable[[int], str],
-                           phase: str) -> dict[int, object]:
+async def call_with_quorum(
+    calls: Sequence[Callable[[], Awaitable]],
+    rows: Sequence[Sequence[int]],
+    num_samples: int,
+    k_min: int | Sequence[int],
+    timeout_after_k_min: float | None,
+    deadline: float | None,
+    describe: Callable[[int], str],
+    phase: str,
+) -> dict[int, object]:
     """Run every call at once; return {call index: result} for those that succeeded in time.
 
     `deadline` is a `time.monotonic()` instant (None: no overall bound). Raises TooFewExpertsError
@@ -122,11 +128,19 @@ def _earlier(a: float | None, b: float) -> float:
     return b if a is None else min(a, b)
 
 
-def _explain(phase: str, quorum: Quorum, short: list[int], errors: dict[int, BaseException], late: list[int],
-             describe: Callable[[int], str]) -> str:
+def _explain(
+    phase: str,
+    quorum: Quorum,
+    short: list[int],
+    errors: dict[int, BaseException],
+    late: list[int],
+    describe: Callable[[int], str],
+) -> str:
     sample = short[0]
-    text = (f"{phase}: {len(short)} of {len(quorum.answers)} samples got fewer answers than required "
-            f"(sample {sample}: {quorum.answers[sample]} of the {quorum.required[sample]} required)")
+    text = (
+        f"{phase}: {len(short)} of {len(quorum.answers)} samples got fewer answers than required "
+        f"(sample {sample}: {quorum.answers[sample]} of the {quorum.required[sample]} required)"
+    )
     reasons = [f"{describe(i)}: {type(e).__name__}: {e}" for i, e in list(errors.items())[:3]]
     if len(errors) > 3:
         reasons.append(f"and {len(errors) - 3} more failures")
@@ -134,5 +148,6 @@ def _explain(phase: str, quorum: Quorum, short: list[int], errors: dict[int, Bas
         reasons.append(f"{len(late)} calls still unanswered at the deadline (e.g. {describe(late[0])})")
     if reasons:
         text += "; " + "; ".join(reasons)
-    return text + (". Some expert servers may be down or overloaded: lower k_min, raise the timeouts, "
-                   "or add servers")
+    return text + (
+        ". Some expert servers may be down or overloaded: lower k_min, raise the timeouts, or add servers"
+    )

@@ -33,11 +33,27 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
         jitter_eps: multiplicative jitter of the gate's input in training (0: none).
     """
 
-    def __init__(self, *, grid_size: Sequence[int], utilization_alpha: float = 0.9, grid_dropout: float = 1.0,
-                 jitter_eps: float = 1e-2, k_best: int = 1, k_min: int = 0, backward_k_min: int = 0,
-                 allow_zero_outputs: bool = True, **kwargs):
-        super().__init__(grid_size=grid_size, k_best=k_best, k_min=k_min, backward_k_min=backward_k_min,
-                         allow_zero_outputs=allow_zero_outputs, **kwargs)
+    def __init__(
+        self,
+        *,
+        grid_size: Sequence[int],
+        utilization_alpha: float = 0.9,
+        grid_dropout: float = 1.0,
+        jitter_eps: float = 1e-2,
+        k_best: int = 1,
+        k_min: int = 0,
+        backward_k_min: int = 0,
+        allow_zero_outputs: bool = True,
+        **kwargs,
+    ):
+        super().__init__(
+            grid_size=grid_size,
+            k_best=k_best,
+            k_min=k_min,
+            backward_k_min=backward_k_min,
+            allow_zero_outputs=allow_zero_outputs,
+            **kwargs,
+        )
         if not 0 < grid_dropout <= 1 or not 0 <= utilization_alpha <= 1 or jitter_eps < 0:
             raise ValueError("need 0 < grid_dropout <= 1, 0 <= utilization_alpha <= 1 and jitter_eps >= 0")
         self.utilization_alpha, self.grid_dropout = utilization_alpha, grid_dropout
@@ -53,8 +69,9 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
         deadline = None if self.forward_timeout is None else time.monotonic() + self.forward_timeout
         gating_input = self._gating_input(input)
         if self.training and self.jitter_eps > 0:
-            gating_input = gating_input * torch.empty_like(gating_input).uniform_(1 - self.jitter_eps,
-                                                                                  1 + self.jitter_eps)
+            gating_input = gating_input * torch.empty_like(gating_input).uniform_(
+                1 - self.jitter_eps, 1 + self.jitter_eps
+            )
         grid_scores = list(self.proj(gating_input).split(self.grid_size, dim=-1))
         if self.training and self.grid_dropout < 1:
             grid_scores = [self._drop_coordinates(scores) for scores in grid_scores]
@@ -92,5 +109,7 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
 
     def compute_balancing_loss(self, grid_probs: Sequence[torch.Tensor]) -> torch.Tensor:
         """sum over dims of size * <mean probability, utilisation>: 1 per dimension when balanced."""
-        return sum(size * (probs.mean(dim=0) * utilization.to(probs)).sum()
-                   for size, probs, utilization in zip(self.grid_size, grid_probs, self.grid_utilization))
+        return sum(
+            size * (probs.mean(dim=0) * utilization.to(probs)).sum()
+            for size, probs, utilization in zip(self.grid_size, grid_probs, self.grid_utilization)
+        )

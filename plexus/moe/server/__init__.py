@@ -9,7 +9,17 @@ from .runtime import Runtime, TaskPool, TaskRejected
 from .server import Server, background_server
 
 __all__ = [
-    "ConnectionHandler", "ExpertRequestError", "ModuleBackend", "Runtime", "Server", "TaskPool", "TaskRejected",
-    "background_server", "declare_experts", "get_experts", "load_experts", "register_expert_class",
+    "ConnectionHandler",
+    "ExpertRequestError",
+    "ModuleBackend",
+    "Runtime",
+    "Server",
+    "TaskPool",
+    "TaskRejected",
+    "background_server",
+    "declare_experts",
+    "get_experts",
+    "load_experts",
+    "register_expert_class",
     "store_experts",
 ]

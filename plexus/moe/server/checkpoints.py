@@ -73,8 +73,9 @@ def save_expert(backend: ModuleBackend, checkpoint_dir: Path, keep_last: int = D
     return path
 
 
-def store_experts(experts: dict[str, ModuleBackend], checkpoint_dir: Path,
-                  keep_last: int = DEFAULT_KEEP_LAST) -> None:
+def store_experts(
+    experts: dict[str, ModuleBackend], checkpoint_dir: Path, keep_last: int = DEFAULT_KEEP_LAST
+) -> None:
     """Checkpoint every expert (call it where no batch is running, e.g. through Runtime.submit_job)."""
     for backend in experts.values():
         save_expert(backend, checkpoint_dir, keep_last)
@@ -91,8 +92,10 @@ def load_experts(experts: dict[str, ModuleBackend], checkpoint_dir: Path) -> lis
             state = torch.load(last, map_location="cpu", weights_only=True)
             backend.load_state_dict(state)
         except Exception as error:
-            raise RuntimeError(f"could not restore expert {uid!r} from {last.resolve()}: {error}. Move the file "
-                               f"away to start this expert afresh") from error
+            raise RuntimeError(
+                f"could not restore expert {uid!r} from {last.resolve()}: {error}. Move the file "
+                f"away to start this expert afresh"
+            ) from error
         restored.append(uid)
     if restored:
         logger.info(f"restored {len(restored)} experts from {checkpoint_dir}")
@@ -105,4 +108,3 @@ def saved_expert_uids(checkpoint_dir: Path) -> list[str]:
     if not root.is_dir():
         return []
     return sorted(entry.name for entry in root.iterdir() if (entry / LAST).exists())
-

@@ -62,7 +62,13 @@ _refusals = RateLimitedLog(logger)
 
 DEFAULT_REQUEST_TIMEOUT = 120.0
 DEFAULT_MAX_REQUESTS_PER_PEER = 64  # a mixture's forward sends one call per chosen expert of a server
-PROTOCOLS = (INFO_PROTOCOL, FORWARD_PROTOCOL, BACKWARD_PROTOCOL, FORWARD_STREAM_PROTOCOL, BACKWARD_STREAM_PROTOCOL)
+PROTOCOLS = (
+    INFO_PROTOCOL,
+    FORWARD_PROTOCOL,
+    BACKWARD_PROTOCOL,
+    FORWARD_STREAM_PROTOCOL,
+    BACKWARD_STREAM_PROTOCOL,
+)
 
 
 class ExpertRequestError(ValueError):
@@ -76,9 +82,14 @@ class ExpertTimeoutError(TimeoutError):
 class ConnectionHandler:
     """Serves `module_backends` on `host` under the `/plexus/moe/...` protocol ids."""
 
-    def __init__(self, host: Host, module_backends: dict[str, ModuleBackend], *,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-                 max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER):
+    def __init__(
+        self,
+        host: Host,
+        module_backends: dict[str, ModuleBackend],
+        *,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER,
+    ):
         if max_requests_per_peer < 1:
             raise ValueError(f"max_requests_per_peer must be at least 1, got {max_requests_per_peer}")
         self.host, self.module_backends, self.request_timeout = host, module_backends, request_timeout
@@ -88,15 +99,37 @@ class ConnectionHandler:
     def register(self) -> None:
         for protocol in PROTOCOLS:
             if protocol in self.host.protocols:
-                raise RuntimeError(f"{self.host.peer_id} already serves {protocol}: one expert Server per Host")
+                raise RuntimeError(
+                    f"{self.host.peer_id} already serves {protocol}: one expert Server per Host"
+                )
         options = dict(max_message_size=MAX_FRAME)
         rpc.add_handler(self.host, INFO_PROTOCOL, self.rpc_info, InfoRequest, ExpertSchema, **options)
-        rpc.add_handler(self.host, FORWARD_PROTOCOL, self.rpc_forward, ExpertRequest, ExpertResponse, **options)
-        rpc.add_handler(self.host, BACKWARD_PROTOCOL, self.rpc_backward, ExpertRequest, ExpertResponse, **options)
-        rpc.add_handler(self.host, FORWARD_STREAM_PROTOCOL, self.rpc_forward_stream, ExpertRequest, ExpertResponse,
-                        stream_input=True, stream_output=True, **options)
-        rpc.add_handler(self.host, BACKWARD_STREAM_PROTOCOL, self.rpc_backward_stream, ExpertRequest,
-                        ExpertResponse, stream_input=True, stream_output=True, **options)
+        rpc.add_handler(
+            self.host, FORWARD_PROTOCOL, self.rpc_forward, ExpertRequest, ExpertResponse, **options
+        )
+        rpc.add_handler(
+            self.host, BACKWARD_PROTOCOL, self.rpc_backward, ExpertRequest, ExpertResponse, **options
+        )
+        rpc.add_handler(
+            self.host,
+            FORWARD_STREAM_PROTOCOL,
+            self.rpc_forward_stream,
+            ExpertRequest,
+            ExpertResponse,
+            stream_input=True,
+            stream_output=True,
+            **options,
+        )
+        rpc.add_handler(
+            self.host,
+            BACKWARD_STREAM_PROTOCOL,
+            self.rpc_backward_stream,
+            ExpertRequest,
+            ExpertResponse,
+            stream_input=True,
+            stream_output=True,
+            **options,
+        )
 
     def unregister(self) -> None:
         for protocol in PROTOCOLS:
@@ -108,19 +141,25 @@ class ConnectionHandler:
         peer = context.remote_peer
         count = self._under_way.get(peer, 0)
         if count >= self.max_requests_per_peer:
-            _refusals.warning(("expert requests per peer", peer),
-                              f"refused a {context.protocol} call from {peer}: it has {count} calls "
-                              f"under way (max_requests_per_peer={self.max_requests_per_peer})")
-            raise ExpertRequestError(f"too many calls from you under way ({count}, the server's "
-                                     f"max_requests_per_peer); wait for some to finish")
+            _refusals.warning(
+                ("expert requests per peer", peer),
+                f"refused a {context.protocol} call from {peer}: it has {count} calls "
+                f"under way (max_requests_per_peer={self.max_requests_per_peer})",
+            )
+            raise ExpertRequestError(
+                f"too many calls from you under way ({count}, the server's "
+                f"max_requests_per_peer); wait for some to finish"
+            )
         self._under_way[peer] = count + 1
         try:
             async with asyncio.timeout(self.request_timeout):
                 yield
         except TimeoutError:
-            raise ExpertTimeoutError(f"the request did not finish within the server's request_timeout of "
-                                     f"{self.request_timeout} s (the server is busy or the expert is slow); "
-                                     f"retry later or use another expert") from None
+            raise ExpertTimeoutError(
+                f"the request did not finish within the server's request_timeout of "
+                f"{self.request_timeout} s (the server is busy or the expert is slow); "
+                f"retry later or use another expert"
+            ) from None
         finally:
             if self._under_way[peer] <= 1:
                 del self._under_way[peer]
@@ -144,16 +183,18 @@ class ConnectionHandler:
             inputs = self._decode(backend, request.tensors, backward=True)
             return self._unary_response(await self._run(backend, inputs, context.remote_peer, backward=True))
 
-    async def rpc_forward_stream(self, requests: AsyncIterator[ExpertRequest],
-                                 context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[ExpertRequest], context: rpc.RPCContext
+    ) -> AsyncIterator[ExpertResponse]:
         async with self._serving(context):
             backend, inputs = await self._collect(requests, backward=False)
             outputs = await self._run(backend, inputs, context.remote_peer, backward=False)
         for chunks in stream_messages(outputs):
             yield ExpertResponse(chunks)
 
-    async def rpc_backward_stream(self, requests: AsyncIterator[ExpertRequest],
-                                  context: rpc.RPCContext) -> AsyncIterator[ExpertResponse]:
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[ExpertRequest], context: rpc.RPCContext
+    ) -> AsyncIterator[ExpertResponse]:
         async with self._serving(context):
             backend, inputs = await self._collect(requests, backward=True)
             grads = await self._run(backend, inputs, context.remote_peer, backward=True)
@@ -166,8 +207,10 @@ class ConnectionHandler:
         backend = self.module_backends.get(uid)
         if backend is None:
             examples = ", ".join(repr(name) for name in list(self.module_backends)[:3])
-            raise ExpertRequestError(f"no expert {uid[:100]!r} on this server (it serves {len(self.module_backends)}"
-                                     f" experts{', e.g. ' + examples if examples else ''})")
+            raise ExpertRequestError(
+                f"no expert {uid[:100]!r} on this server (it serves {len(self.module_backends)}"
+                f" experts{', e.g. ' + examples if examples else ''})"
+            )
         return backend
 
     @staticmethod
@@ -182,12 +225,21 @@ class ConnectionHandler:
             return f"input {index}"
         return f"output gradient {index - n_inputs}"
 
-    def _check_one(self, backend: ModuleBackend, backward: bool, index: int, shape: Sequence[int], dtype: str,
-                   batch_size: int | None) -> int:
+    def _check_one(
+        self,
+        backend: ModuleBackend,
+        backward: bool,
+        index: int,
+        shape: Sequence[int],
+        dtype: str,
+        batch_size: int | None,
+    ) -> int:
         expected = self._expected(backend, backward)
         if index >= len(expected):
-            raise ExpertRequestError(f"expert {backend.name!r} takes {len(expected)} tensors for "
-                                     f"{'backward' if backward else 'forward'}, got more")
+            raise ExpertRequestError(
+                f"expert {backend.name!r} takes {len(expected)} tensors for "
+                f"{'backward' if backward else 'forward'}, got more"
+            )
         what = f"expert {backend.name!r}: {self._describe(backend, index)}"
         problem = expected[index].mismatch(tuple(shape), dtype)
         if problem is not None:
@@ -198,23 +250,29 @@ class ConnectionHandler:
         if rows < 1:
             raise ExpertRequestError(f"{what} is an empty batch")
         if rows > backend.max_batch_size:
-            raise ExpertRequestError(f"{what} has {rows} rows, more than max_batch_size={backend.max_batch_size}; "
-                                     f"split the batch")
+            raise ExpertRequestError(
+                f"{what} has {rows} rows, more than max_batch_size={backend.max_batch_size}; split the batch"
+            )
         return rows
 
     def _check_count(self, backend: ModuleBackend, backward: bool, count: int) -> None:
         expected = len(self._expected(backend, backward))
         if count != expected:
-            raise ExpertRequestError(f"expert {backend.name!r} takes {expected} tensors for "
-                                     f"{'backward' if backward else 'forward'}, got {count}")
+            raise ExpertRequestError(
+                f"expert {backend.name!r} takes {expected} tensors for "
+                f"{'backward' if backward else 'forward'}, got {count}"
+            )
 
-    def _decode(self, backend: ModuleBackend, tensors: list[bytes], backward: bool = False) -> list[torch.Tensor]:
+    def _decode(
+        self, backend: ModuleBackend, tensors: list[bytes], backward: bool = False
+    ) -> list[torch.Tensor]:
         self._check_count(backend, backward, len(tensors))
         batch_size = [None]
 
         def check_header(index: int, header: SerializedTensor) -> None:
-            batch_size[0] = self._check_one(backend, backward, index, header.size, header.dtype,
-                                            batch_size[0])
+            batch_size[0] = self._check_one(
+                backend, backward, index, header.size, header.dtype, batch_size[0]
+            )
 
         try:
             decoded = deserialize_unary(tensors, check_header)
@@ -224,13 +282,15 @@ class ConnectionHandler:
             self._check_one(backend, backward, index, tensor.shape, DTYPE_NAMES[tensor.dtype], batch_size[0])
         return decoded
 
-    async def _collect(self, requests: AsyncIterator[ExpertRequest],
-                       backward: bool) -> tuple[ModuleBackend, list[torch.Tensor]]:
+    async def _collect(
+        self, requests: AsyncIterator[ExpertRequest], backward: bool
+    ) -> tuple[ModuleBackend, list[torch.Tensor]]:
         backend, collector, batch_size = None, None, [None]
 
         def check_header(index: int, header: SerializedTensor) -> None:
-            batch_size[0] = self._check_one(backend, backward, index, header.size, header.dtype,
-                                            batch_size[0])
+            batch_size[0] = self._check_one(
+                backend, backward, index, header.size, header.dtype, batch_size[0]
+            )
 
         try:
             async for message in requests:
@@ -238,7 +298,9 @@ class ConnectionHandler:
                     backend = self._backend(message.uid)
                     collector = StreamCollector(check_header)
                 elif message.uid not in ("", backend.name):
-                    raise ExpertRequestError(f"a stream for expert {backend.name!r} switched to {message.uid[:100]!r}")
+                    raise ExpertRequestError(
+                        f"a stream for expert {backend.name!r} switched to {message.uid[:100]!r}"
+                    )
                 collector.feed(message.tensors)
             if backend is None:
                 raise ExpertRequestError("the request stream was empty (the first message names the expert)")
@@ -251,8 +313,9 @@ class ConnectionHandler:
 
     # --- compute ------------------------------------------------------------------------------------
 
-    async def _run(self, backend: ModuleBackend, inputs: list[torch.Tensor], peer: PeerID,
-                   backward: bool) -> list[SerializedTensor]:
+    async def _run(
+        self, backend: ModuleBackend, inputs: list[torch.Tensor], peer: PeerID, backward: bool
+    ) -> list[SerializedTensor]:
         if (index := first_nonfinite(inputs)) is not None:
             self._refuse(peer, f"expert {backend.name!r}: {self._describe(backend, index)} holds NaN or inf")
         pool = backend.backward_pool if backward else backend.forward_pool
@@ -266,8 +329,9 @@ class ConnectionHandler:
             self._refuse(peer, str(error))
         schema = backend.schema.grad_inputs_schema if backward else backend.schema.outputs_schema
         if len(outputs) != len(schema):
-            raise RuntimeError(f"expert {backend.name!r} produced {len(outputs)} tensors, its schema says "
-                               f"{len(schema)}")
+            raise RuntimeError(
+                f"expert {backend.name!r} produced {len(outputs)} tensors, its schema says {len(schema)}"
+            )
         return serialize_tensors(outputs, schema)
 
     @staticmethod
@@ -279,6 +343,8 @@ class ConnectionHandler:
     def _unary_response(serialized: list[SerializedTensor]) -> ExpertResponse:
         size = payload_size(serialized)
         if size > MAX_FRAME - (64 << 10):
-            raise ExpertRequestError(f"the answer has {size} bytes, too many for one message; "
-                                     f"use {FORWARD_STREAM_PROTOCOL} or {BACKWARD_STREAM_PROTOCOL}")
+            raise ExpertRequestError(
+                f"the answer has {size} bytes, too many for one message; "
+                f"use {FORWARD_STREAM_PROTOCOL} or {BACKWARD_STREAM_PROTOCOL}"
+            )
         return ExpertResponse(unary_message(serialized))

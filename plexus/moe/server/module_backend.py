@@ -51,14 +51,25 @@ class ModuleBackend:
             (`timeout`: how long the oldest request waits for min_batch_size rows before it runs anyway).
     """
 
-    def __init__(self, name: str, module: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler=None, args_schema: Sequence[BatchTensorDescriptor] | None = None,
-                 kwargs_schema: dict[str, BatchTensorDescriptor] | None = None,
-                 outputs_schema: BatchTensorDescriptor | Sequence[BatchTensorDescriptor] | None = None,
-                 max_batch_size: int = 4096, min_batch_size: int = 1, timeout: float = 1.0,
-                 max_pending_tasks: int = DEFAULT_MAX_PENDING_TASKS):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler=None,
+        args_schema: Sequence[BatchTensorDescriptor] | None = None,
+        kwargs_schema: dict[str, BatchTensorDescriptor] | None = None,
+        outputs_schema: BatchTensorDescriptor | Sequence[BatchTensorDescriptor] | None = None,
+        max_batch_size: int = 4096,
+        min_batch_size: int = 1,
+        timeout: float = 1.0,
+        max_pending_tasks: int = DEFAULT_MAX_PENDING_TASKS,
+    ):
         if args_schema is None:
-            raise ValueError(f"expert {name!r}: give args_schema, e.g. (BatchTensorDescriptor((hidden_dim,)),)")
+            raise ValueError(
+                f"expert {name!r}: give args_schema, e.g. (BatchTensorDescriptor((hidden_dim,)),)"
+            )
         self.name, self.module, self.optimizer, self.scheduler = name, module, optimizer, scheduler
         self.args_schema = tuple(args_schema)
         self.kwargs_schema = dict(kwargs_schema or {})
@@ -69,13 +80,23 @@ class ModuleBackend:
             self.outputs_schema, self.outputs_tuple = (outputs_schema,), False
         else:
             self.outputs_schema, self.outputs_tuple = tuple(outputs_schema), True
-        pool_options = dict(max_batch_size=max_batch_size, min_batch_size=min_batch_size, timeout=timeout,
-                            max_pending_tasks=max_pending_tasks)
+        pool_options = dict(
+            max_batch_size=max_batch_size,
+            min_batch_size=min_batch_size,
+            timeout=timeout,
+            max_pending_tasks=max_pending_tasks,
+        )
         self.forward_pool = TaskPool(self.forward, name=f"{name}_forward", **pool_options)
         self.backward_pool = TaskPool(self.backward, name=f"{name}_backward", **pool_options)
-        self.schema = ExpertSchema(name, self.args_schema, tuple(self.kwargs_schema),
-                                   tuple(self.kwargs_schema.values()), self.outputs_schema, self.outputs_tuple,
-                                   max_batch_size)
+        self.schema = ExpertSchema(
+            name,
+            self.args_schema,
+            tuple(self.kwargs_schema),
+            tuple(self.kwargs_schema.values()),
+            self.outputs_schema,
+            self.outputs_tuple,
+            max_batch_size,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -93,8 +114,10 @@ class ModuleBackend:
         return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
 
     def _infer_outputs_schema(self) -> tuple[tuple[BatchTensorDescriptor, ...], bool]:
-        inputs = [d.make_zeros(DUMMY_BATCH_SIZE, self.device)
-                  for d in (*self.args_schema, *self.kwargs_schema.values())]
+        inputs = [
+            d.make_zeros(DUMMY_BATCH_SIZE, self.device)
+            for d in (*self.args_schema, *self.kwargs_schema.values())
+        ]
         with torch.no_grad():
             args, kwargs = self._split(inputs)
             outputs = self.module(*args, **kwargs)
@@ -108,8 +131,9 @@ class ModuleBackend:
         with torch.no_grad():
             outputs = self._call([t.to(device, non_blocking=True) for t in inputs])
         if (index := first_nonfinite(outputs)) is not None:
-            raise NonFiniteError(f"expert {self.name!r}: output {index} of this batch holds NaN or inf; "
-                                 f"refused")
+            raise NonFiniteError(
+                f"expert {self.name!r}: output {index} of this batch holds NaN or inf; refused"
+            )
         return tuple(t.detach().cpu() for t in outputs)
 
     def backward(self, *inputs_and_grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -122,18 +146,25 @@ class ModuleBackend:
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_(d.requires_grad) for t, d in zip(inputs, descriptors)]
             outputs = self._call(inputs)
-            pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs, strict=True) if out.requires_grad]
+            pairs = [
+                (out, grad) for out, grad in zip(outputs, grad_outputs, strict=True) if out.requires_grad
+            ]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        grads = tuple((t.grad if t.grad is not None else torch.zeros_like(t)).detach().cpu()
-                      for t, d in zip(inputs, descriptors) if d.requires_grad)
+        grads = tuple(
+            (t.grad if t.grad is not None else torch.zeros_like(t)).detach().cpu()
+            for t, d in zip(inputs, descriptors)
+            if d.requires_grad
+        )
         parameter_grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         for what, tensors in (("a parameter gradient", parameter_grads), ("an input gradient", grads)):
             if first_nonfinite(tensors) is not None:
                 for param in self.module.parameters():
                     param.grad = None
-                raise NonFiniteError(f"expert {self.name!r}: {what} of this batch holds NaN or inf; refused, "
-                                     f"no optimizer step taken")
+                raise NonFiniteError(
+                    f"expert {self.name!r}: {what} of this batch holds NaN or inf; refused, "
+                    f"no optimizer step taken"
+                )
         self.on_backward(inputs[0].shape[0] if inputs else 0)
         return grads
 

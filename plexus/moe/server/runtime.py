@@ -62,8 +62,14 @@ class TaskRejected(ValueError):
 class Task:
     __slots__ = ("inputs", "size", "future", "loop", "arrived", "owner")
 
-    def __init__(self, inputs: Sequence[torch.Tensor], size: int, future: asyncio.Future, arrived: float,
-                 owner: Hashable = None):
+    def __init__(
+        self,
+        inputs: Sequence[torch.Tensor],
+        size: int,
+        future: asyncio.Future,
+        arrived: float,
+        owner: Hashable = None,
+    ):
         self.inputs, self.size, self.future, self.arrived, self.owner = inputs, size, future, arrived, owner
         self.loop = future.get_loop()
 
@@ -77,11 +83,21 @@ class TaskPool:
     `process_func(*batched_inputs)` returns a tuple of batch-first tensors.
     """
 
-    def __init__(self, process_func: Callable[..., Sequence[torch.Tensor]], *, name: str, max_batch_size: int,
-                 min_batch_size: int = 1, timeout: float = 1.0, max_pending_tasks: int = DEFAULT_MAX_PENDING_TASKS,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        process_func: Callable[..., Sequence[torch.Tensor]],
+        *,
+        name: str,
+        max_batch_size: int,
+        min_batch_size: int = 1,
+        timeout: float = 1.0,
+        max_pending_tasks: int = DEFAULT_MAX_PENDING_TASKS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if not 1 <= min_batch_size <= max_batch_size:
-            raise ValueError(f"need 1 <= min_batch_size ({min_batch_size}) <= max_batch_size ({max_batch_size})")
+            raise ValueError(
+                f"need 1 <= min_batch_size ({min_batch_size}) <= max_batch_size ({max_batch_size})"
+            )
         self.process_func, self.name = process_func, name
         self.min_batch_size, self.max_batch_size, self.timeout = min_batch_size, max_batch_size, timeout
         self.max_pending_tasks = max_pending_tasks
@@ -100,18 +116,24 @@ class TaskPool:
             raise TaskRejected(f"{self.name}: a request needs at least one tensor")
         size = inputs[0].shape[0] if inputs[0].dim() else 0
         if size < 1 or any(t.dim() == 0 or t.shape[0] != size for t in inputs):
-            raise TaskRejected(f"{self.name}: every tensor must share one batch size >= 1, got "
-                               f"{[tuple(t.shape) for t in inputs]}")
+            raise TaskRejected(
+                f"{self.name}: every tensor must share one batch size >= 1, got "
+                f"{[tuple(t.shape) for t in inputs]}"
+            )
         if size > self.max_batch_size:
-            raise TaskRejected(f"{self.name}: a batch of {size} rows exceeds max_batch_size={self.max_batch_size}; "
-                               f"split it into smaller requests")
+            raise TaskRejected(
+                f"{self.name}: a batch of {size} rows exceeds max_batch_size={self.max_batch_size}; "
+                f"split it into smaller requests"
+            )
         future = asyncio.get_running_loop().create_future()
         with self._lock:
             if self._closed_reason is not None:
                 raise TaskRejected(f"{self.name}: {self._closed_reason}")
             if self._pending >= self.max_pending_tasks:
-                raise TaskRejected(f"{self.name} is overloaded ({self._pending} requests waiting); "
-                                   f"retry later or use another expert")
+                raise TaskRejected(
+                    f"{self.name} is overloaded ({self._pending} requests waiting); "
+                    f"retry later or use another expert"
+                )
             self._queues.setdefault(owner, deque()).append(Task(inputs, size, future, self.clock(), owner))
             self._pending += 1
             self._rows += size
@@ -184,8 +206,10 @@ class TaskPool:
             self._closed_reason = None
 
     def __repr__(self) -> str:
-        return (f"<TaskPool {self.name} pending={self._pending} from {len(self._queues)} owners "
-                f"batch=[{self.min_batch_size}, {self.max_batch_size}]>")
+        return (
+            f"<TaskPool {self.name} pending={self._pending} from {len(self._queues)} owners "
+            f"batch=[{self.min_batch_size}, {self.max_batch_size}]>"
+        )
 
 
 def _resolve(task: Task, result=None, error: BaseException | None = None) -> None:
@@ -195,6 +219,7 @@ def _resolve(task: Task, result=None, error: BaseException | None = None) -> Non
                 task.future.set_exception(error)
             else:
                 task.future.set_result(result)
+
     try:
         task.loop.call_soon_threadsafe(deliver)
     except RuntimeError:  # that loop is closed: nobody is waiting any more
@@ -243,7 +268,9 @@ class Runtime:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning(f"the compute thread did not stop within {timeout} s (a module is still running)")
+                logger.warning(
+                    f"the compute thread did not stop within {timeout} s (a module is still running)"
+                )
             self._thread = None
         self.ready.clear()
         with self._jobs_lock:
@@ -322,16 +349,22 @@ class Runtime:
     def _process(self, pool: TaskPool, batch: list[Task]) -> None:
         started = self.clock()
         try:
-            inputs = [torch.cat(column) if len(batch) > 1 else column[0]
-                      for column in zip(*(task.inputs for task in batch))]
+            inputs = [
+                torch.cat(column) if len(batch) > 1 else column[0]
+                for column in zip(*(task.inputs for task in batch))
+            ]
             outputs = pool.process_func(*inputs)
             total = sum(task.size for task in batch)
             for output in outputs:
                 if output.dim() == 0 or output.shape[0] != total:
-                    raise RuntimeError(f"{pool.name} returned a tensor of shape {tuple(output.shape)}, "
-                                       f"not batch-first with {total} rows")
+                    raise RuntimeError(
+                        f"{pool.name} returned a tensor of shape {tuple(output.shape)}, "
+                        f"not batch-first with {total} rows"
+                    )
             sizes = [task.size for task in batch]
-            per_task = list(zip(*(output.split(sizes) for output in outputs))) if outputs else [()] * len(batch)
+            per_task = (
+                list(zip(*(output.split(sizes) for output in outputs))) if outputs else [()] * len(batch)
+            )
         except Exception as error:
             logger.debug(f"{pool.name} failed on a batch of {len(batch)} requests: {error!r}", exc_info=True)
             for task in batch:

@@ -63,10 +63,19 @@ class Server:
         keep_checkpoints: timestamped checkpoints kept per expert.
     """
 
-    def __init__(self, host_or_dht, module_backends: dict[str, ModuleBackend], *, update_period: float = 30.0,
-                 expiration: float | None = None, start: bool = False, checkpoint_dir: str | Path | None = None,
-                 request_timeout: float = DEFAULT_REQUEST_TIMEOUT, keep_checkpoints: int = DEFAULT_KEEP_LAST,
-                 max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER):
+    def __init__(
+        self,
+        host_or_dht,
+        module_backends: dict[str, ModuleBackend],
+        *,
+        update_period: float = 30.0,
+        expiration: float | None = None,
+        start: bool = False,
+        checkpoint_dir: str | Path | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        keep_checkpoints: int = DEFAULT_KEEP_LAST,
+        max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER,
+    ):
         if isinstance(host_or_dht, Host):
             self.host, self.dht = host_or_dht, None
         else:
@@ -75,8 +84,10 @@ class Server:
             if self.host is None:
                 raise TypeError(f"Server needs a started plexus.DHT or plexus.p2p.Host, got {host_or_dht!r}")
             if getattr(host_or_dht, "client_mode", False):
-                raise ValueError("an expert server must accept connections, but its DHT is in client_mode; "
-                                 "start the DHT without client_mode (and with reachable host_maddrs)")
+                raise ValueError(
+                    "an expert server must accept connections, but its DHT is in client_mode; "
+                    "start the DHT without client_mode (and with reachable host_maddrs)"
+                )
         self.module_backends = dict(module_backends)
         for uid, backend in self.module_backends.items():
             if backend.name != uid:
@@ -86,9 +97,16 @@ class Server:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_checkpoints = keep_checkpoints
         self.runtime = Runtime.from_backends(self.module_backends)
-        self.handler = ConnectionHandler(self.host, self.module_backends, request_timeout=request_timeout,
-                                         max_requests_per_peer=max_requests_per_peer) \
-            if self.host is not None else None
+        self.handler = (
+            ConnectionHandler(
+                self.host,
+                self.module_backends,
+                request_timeout=request_timeout,
+                max_requests_per_peer=max_requests_per_peer,
+            )
+            if self.host is not None
+            else None
+        )
         self.ready = threading.Event()
         self._stopped = threading.Event()
         self._periodic: asyncio.Task | None = None
@@ -185,8 +203,10 @@ class Server:
                 try:
                     await asyncio.wrap_future(self.runtime.submit_job(self._save_checkpoints))
                 except Exception as error:
-                    logger.warning(f"saving checkpoints to {self.checkpoint_dir} failed: {error!r}; "
-                                   f"will retry in {self.update_period} s")
+                    logger.warning(
+                        f"saving checkpoints to {self.checkpoint_dir} failed: {error!r}; "
+                        f"will retry in {self.update_period} s"
+                    )
 
     def _save_checkpoints(self) -> None:
         store_experts(self.module_backends, self.checkpoint_dir, self.keep_checkpoints)
@@ -199,33 +219,58 @@ class Server:
         """Announce on the loop; a failure is logged and retried at the next update_period."""
         uids = list(self.module_backends)
         try:
-            stored = await declare_experts_async(self.dht.node, uids, self.host.peer_id,
-                                                 get_dht_time() + self.expiration)
+            stored = await declare_experts_async(
+                self.dht.node, uids, self.host.peer_id, get_dht_time() + self.expiration
+            )
         except Exception as error:
-            logger.warning(f"announcing {len(uids)} experts in the DHT failed: {error!r}; "
-                           f"retrying in {self.update_period} s")
+            logger.warning(
+                f"announcing {len(uids)} experts in the DHT failed: {error!r}; "
+                f"retrying in {self.update_period} s"
+            )
             return False
         missing = [uid for uid, ok in stored.items() if not ok]
         if missing:
-            logger.warning(f"{len(missing)} of {len(uids)} experts (e.g. {missing[0]!r}) were not stored by any DHT "
-                           f"peer; retrying in {self.update_period} s")
+            logger.warning(
+                f"{len(missing)} of {len(uids)} experts (e.g. {missing[0]!r}) were not stored by any DHT "
+                f"peer; retrying in {self.update_period} s"
+            )
         return not missing
 
     # --- building from a registered expert class ------------------------------------------------------
 
     @classmethod
-    def create(cls, num_experts: int | None = None, expert_uids: list[str] | None = None,
-               expert_pattern: str | None = None, expert_cls: str = "ffn", hidden_dim: int = 1024,
-               optim_cls=torch.optim.Adam, scheduler: str = "none", num_warmup_steps: int | None = None,
-               num_training_steps: int | None = None, clip_grad_norm: float | None = None,
-               num_handlers: int | None = None, min_batch_size: int = 1, max_batch_size: int = 4096,
-               device: str | torch.device | None = None, initial_peers=(), checkpoint_dir: str | Path | None = None,
-               compression: CompressionType = CompressionType.NONE, stats_report_interval: float | None = None,
-               custom_module_path: str | None = None, update_period: float = 30.0,
-               expiration: float | None = None, *, start: bool, host: Host | None = None, dht=None,
-               rng: random.Random | None = None,
-               request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-               max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER, **dht_kwargs) -> "Server":
+    def create(
+        cls,
+        num_experts: int | None = None,
+        expert_uids: list[str] | None = None,
+        expert_pattern: str | None = None,
+        expert_cls: str = "ffn",
+        hidden_dim: int = 1024,
+        optim_cls=torch.optim.Adam,
+        scheduler: str = "none",
+        num_warmup_steps: int | None = None,
+        num_training_steps: int | None = None,
+        clip_grad_norm: float | None = None,
+        num_handlers: int | None = None,
+        min_batch_size: int = 1,
+        max_batch_size: int = 4096,
+        device: str | torch.device | None = None,
+        initial_peers=(),
+        checkpoint_dir: str | Path | None = None,
+        compression: CompressionType = CompressionType.NONE,
+        stats_report_interval: float | None = None,
+        custom_module_path: str | None = None,
+        update_period: float = 30.0,
+        expiration: float | None = None,
+        *,
+        start: bool,
+        host: Host | None = None,
+        dht=None,
+        rng: random.Random | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER,
+        **dht_kwargs,
+    ) -> "Server":
         """Build a server of `expert_cls` experts (hivemind's arguments).
 
         Network: with neither `dht` nor `host` given, the server starts a DHT of its own
@@ -241,31 +286,55 @@ class Server:
         with `scheduler` "linear" (needs num_warmup_steps and num_training_steps) or "none". `num_handlers` has no effect: one event loop serves every connection.
         """
         if num_handlers is not None or stats_report_interval is not None:
-            warnings.warn("num_handlers and stats_report_interval have no effect in Plexus (one event loop serves "
-                          "every connection; runtime statistics are not reported yet)", stacklevel=2)
+            warnings.warn(
+                "num_handlers and stats_report_interval have no effect in Plexus (one event loop serves "
+                "every connection; runtime statistics are not reported yet)",
+                stacklevel=2,
+            )
         if custom_module_path is not None:
             _import_module_file(custom_module_path)
         if expert_cls not in name_to_block:
-            raise ValueError(f"unknown expert class {expert_cls!r}; registered: {sorted(name_to_block)} "
-                             f"(add one with @register_expert_class or custom_module_path)")
+            raise ValueError(
+                f"unknown expert class {expert_cls!r}; registered: {sorted(name_to_block)} "
+                f"(add one with @register_expert_class or custom_module_path)"
+            )
         owns_dht = False
         if dht is None and host is None:
             dht = DHT(initial_peers=initial_peers, start=True, **dht_kwargs)
             owns_dht = True
         elif dht_kwargs or initial_peers:
-            raise TypeError(f"options {sorted(dht_kwargs) + (['initial_peers'] if initial_peers else [])} apply "
-                            f"only to a DHT the server creates itself (not with dht= or host=)")
+            raise TypeError(
+                f"options {sorted(dht_kwargs) + (['initial_peers'] if initial_peers else [])} apply "
+                f"only to a DHT the server creates itself (not with dht= or host=)"
+            )
         try:
             find_taken = None if dht is None else (lambda candidates: _announced(dht, candidates))
-            uids = _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng or random.Random(),
-                                find_taken)
-            backends = _make_backends(uids, expert_cls, hidden_dim, optim_cls, scheduler, num_warmup_steps,
-                                      num_training_steps, clip_grad_norm, min_batch_size, max_batch_size,
-                                      torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
-                                      compression)
-            server = cls(host if dht is None else dht, backends, update_period=update_period,
-                         expiration=expiration, checkpoint_dir=checkpoint_dir,
-                         request_timeout=request_timeout, max_requests_per_peer=max_requests_per_peer)
+            uids = _choose_uids(
+                num_experts, expert_uids, expert_pattern, checkpoint_dir, rng or random.Random(), find_taken
+            )
+            backends = _make_backends(
+                uids,
+                expert_cls,
+                hidden_dim,
+                optim_cls,
+                scheduler,
+                num_warmup_steps,
+                num_training_steps,
+                clip_grad_norm,
+                min_batch_size,
+                max_batch_size,
+                torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+                compression,
+            )
+            server = cls(
+                host if dht is None else dht,
+                backends,
+                update_period=update_period,
+                expiration=expiration,
+                checkpoint_dir=checkpoint_dir,
+                request_timeout=request_timeout,
+                max_requests_per_peer=max_requests_per_peer,
+            )
             server._owns_dht = owns_dht
             if start:
                 server.start()
@@ -281,14 +350,28 @@ SAMPLING_ATTEMPTS = 10
 
 def _announced(dht, uids: list[str]) -> set[str]:
     """The uids some server announces in the DHT right now."""
+
     async def lookup(_, node):
         found = await node.get_many(uids)
         return {uid for uid, record in found.items() if record is not None}
+
     return dht.run_coroutine(lookup)
 
 
-def _make_backends(uids, expert_cls, hidden_dim, optim_cls, scheduler, num_warmup_steps, num_training_steps,
-                   clip_grad_norm, min_batch_size, max_batch_size, device, compression) -> dict[str, ModuleBackend]:
+def _make_backends(
+    uids,
+    expert_cls,
+    hidden_dim,
+    optim_cls,
+    scheduler,
+    num_warmup_steps,
+    num_training_steps,
+    clip_grad_norm,
+    min_batch_size,
+    max_batch_size,
+    device,
+    compression,
+) -> dict[str, ModuleBackend]:
     sample = name_to_input[expert_cls](DUMMY_BATCH_SIZE, hidden_dim)
     sample = sample if isinstance(sample, (tuple, list)) else (sample,)
     args_schema = tuple(BatchTensorDescriptor.from_tensor(t, compression) for t in sample)
@@ -300,16 +383,24 @@ def _make_backends(uids, expert_cls, hidden_dim, optim_cls, scheduler, num_warmu
         if optimizer is not None and clip_grad_norm is not None:
             optimizer = ClippingWrapper(optimizer, clip_grad_norm)
         schedule = _make_scheduler(scheduler, optimizer, num_warmup_steps, num_training_steps)
-        backends[uid] = backend = ModuleBackend(uid, module, optimizer=optimizer, scheduler=schedule,
-                                                args_schema=args_schema, outputs_schema=outputs_schema,
-                                                min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+        backends[uid] = backend = ModuleBackend(
+            uid,
+            module,
+            optimizer=optimizer,
+            scheduler=schedule,
+            args_schema=args_schema,
+            outputs_schema=outputs_schema,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+        )
         if outputs_schema is None:  # one dummy forward is enough: the experts share their class
             outputs_schema = backend.outputs_schema if backend.outputs_tuple else backend.outputs_schema[0]
     return backends
 
 
-def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: random.Random,
-                 find_taken=None) -> list[str]:
+def _choose_uids(
+    num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: random.Random, find_taken=None
+) -> list[str]:
     if expert_uids is not None:
         uids = list(dict.fromkeys(expert_uids))  # a uid given twice is one expert, as in hivemind
         if len(uids) < len(expert_uids):
@@ -325,11 +416,16 @@ def _choose_uids(num_experts, expert_uids, expert_pattern, checkpoint_dir, rng: 
             uids += _sample_free(expert_pattern, missing, rng, set(uids), find_taken)
         elif missing > 0:
             taken = set(uids)
-            uids += [uid for uid in (f"expert.{i}" for i in range(len(uids) + missing + len(taken)))
-                     if uid not in taken][:missing]
+            uids += [
+                uid
+                for uid in (f"expert.{i}" for i in range(len(uids) + missing + len(taken)))
+                if uid not in taken
+            ][:missing]
     bad = [uid for uid in uids if not is_valid_uid(uid)]
     if bad:
-        raise ValueError(f"invalid expert uids {bad[:5]}: a uid is a name and integer coordinates, e.g. 'ffn.0.3'")
+        raise ValueError(
+            f"invalid expert uids {bad[:5]}: a uid is a name and integer coordinates, e.g. 'ffn.0.3'"
+        )
     return uids
 
 
@@ -338,7 +434,9 @@ def _sample_free(pattern: str, count: int, rng: random.Random, exclude: set[str]
     chosen: list[str] = []
     for _ in range(SAMPLING_ATTEMPTS):
         try:
-            candidates = sample_expert_uids(pattern, count - len(chosen), rng=rng, exclude=exclude | set(chosen))
+            candidates = sample_expert_uids(
+                pattern, count - len(chosen), rng=rng, exclude=exclude | set(chosen)
+            )
         except ValueError:  # fewer free uids in the grid than still needed
             break
         taken = find_taken(candidates) if find_taken is not None else set()
@@ -346,8 +444,10 @@ def _sample_free(pattern: str, count: int, rng: random.Random, exclude: set[str]
         exclude |= taken
         if len(chosen) == count:
             return chosen
-    raise ValueError(f"could not find {count} uids of {pattern!r} that no other server announces "
-                     f"({len(chosen)} found, {len(exclude)} taken); use a larger grid or fewer experts")
+    raise ValueError(
+        f"could not find {count} uids of {pattern!r} that no other server announces "
+        f"({len(chosen)} found, {len(exclude)} taken); use a larger grid or fewer experts"
+    )
 
 
 def _make_scheduler(name: str, optimizer, num_warmup_steps, num_training_steps):

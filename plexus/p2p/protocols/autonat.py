@@ -68,8 +68,10 @@ def encode_request(peer: PeerID, addrs) -> bytes:
 
 
 def encode_response(response: DialResponse) -> bytes:
-    body = pb.encode(_RESPONSE, {"status": int(response.status), "status_text": response.text or None,
-                                 "addr": response.addr})
+    body = pb.encode(
+        _RESPONSE,
+        {"status": int(response.status), "status_text": response.text or None, "addr": response.addr},
+    )
     return pb.encode(_MESSAGE, {"type": DIAL_RESPONSE, "dial_response": body})
 
 

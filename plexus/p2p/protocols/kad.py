@@ -82,25 +82,40 @@ class KadMessage:
 
 
 def encode(message: KadMessage) -> bytes:
-    if len(message.closer_peers) > MAX_PEERS_PER_MESSAGE or len(message.provider_peers) > MAX_PEERS_PER_MESSAGE:
+    if (
+        len(message.closer_peers) > MAX_PEERS_PER_MESSAGE
+        or len(message.provider_peers) > MAX_PEERS_PER_MESSAGE
+    ):
         raise LocalProtocolError(f"a Kademlia message names at most {MAX_PEERS_PER_MESSAGE} peers")
-    return pb.encode(_MESSAGE, {
-        "type": int(message.type), "key": message.key or None,
-        "closer": [_encode_peer(peer) for peer in message.closer_peers],
-        "providers": [_encode_peer(peer) for peer in message.provider_peers],
-    })
+    return pb.encode(
+        _MESSAGE,
+        {
+            "type": int(message.type),
+            "key": message.key or None,
+            "closer": [_encode_peer(peer) for peer in message.closer_peers],
+            "providers": [_encode_peer(peer) for peer in message.provider_peers],
+        },
+    )
 
 
 def _encode_peer(peer: KadPeer) -> bytes:
-    return pb.encode(_PEER, {"id": peer.peer_id.to_bytes(), "addrs": list(peer.addrs[:MAX_ADDRS_PER_PEER]),
-                             "connection": int(peer.connection) or None})
+    return pb.encode(
+        _PEER,
+        {
+            "id": peer.peer_id.to_bytes(),
+            "addrs": list(peer.addrs[:MAX_ADDRS_PER_PEER]),
+            "connection": int(peer.connection) or None,
+        },
+    )
 
 
 def decode(data: bytes) -> KadMessage:
     """Parse one message; RemoteProtocolError when it is malformed or past our bounds. Peers with
     unusable ids are dropped and each peer's address list is cut at MAX_ADDRS_PER_PEER."""
     if len(data) > MAX_MESSAGE_SIZE:
-        raise RemoteProtocolError(f"{len(data)}-byte Kademlia message exceeds the {MAX_MESSAGE_SIZE}-byte limit")
+        raise RemoteProtocolError(
+            f"{len(data)}-byte Kademlia message exceeds the {MAX_MESSAGE_SIZE}-byte limit"
+        )
     try:
         fields = pb.decode(_MESSAGE, data)
         message_type = MessageType(fields.get("type", 0))
@@ -125,7 +140,9 @@ def _decode_peer(data: bytes) -> KadPeer | None:
     except (IdentityError, ValueError):
         return None
     connection = fields.get("connection", 0)
-    connection = Connectedness(connection) if connection in iter(Connectedness) else Connectedness.NOT_CONNECTED
+    connection = (
+        Connectedness(connection) if connection in iter(Connectedness) else Connectedness.NOT_CONNECTED
+    )
     return KadPeer(peer_id, tuple(fields["addrs"][:MAX_ADDRS_PER_PEER]), connection)
 
 
@@ -257,7 +274,9 @@ class PeerLookup:
         return [c.peer.peer_id for c in self._closest() if c.state == "answered"]
 
 
-def answer(request: KadMessage, table: KadTable, addrs_of, local: KadPeer, requester: PeerID) -> KadMessage | None:
+def answer(
+    request: KadMessage, table: KadTable, addrs_of, local: KadPeer, requester: PeerID
+) -> KadMessage | None:
     """The server's reply to `request` (None: no reply, for types we do not serve). `addrs_of(peer)`
     gives the binary addresses we know of a peer; peers without any are not named."""
     if request.type is MessageType.PING:

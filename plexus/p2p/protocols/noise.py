@@ -82,8 +82,12 @@ class CipherSuite:
     nonce: struct.Struct  # packs the 64-bit counter into the 12-byte nonce
 
 
-CHACHAPOLY_SUITE = CipherSuite("/noise", b"Noise_XX_25519_ChaChaPoly_SHA256", ChaCha20Poly1305, struct.Struct("<4xQ"))
-AESGCM_SUITE = CipherSuite("/plexus/noise-aesgcm/1.0.0", b"Noise_XX_25519_AESGCM_SHA256", AESGCM, struct.Struct(">4xQ"))
+CHACHAPOLY_SUITE = CipherSuite(
+    "/noise", b"Noise_XX_25519_ChaChaPoly_SHA256", ChaCha20Poly1305, struct.Struct("<4xQ")
+)
+AESGCM_SUITE = CipherSuite(
+    "/plexus/noise-aesgcm/1.0.0", b"Noise_XX_25519_AESGCM_SHA256", AESGCM, struct.Struct(">4xQ")
+)
 SUITES = {"AESGCM": AESGCM_SUITE, "ChaChaPoly": CHACHAPOLY_SUITE}  # by Noise's cipher name, preferred first
 
 
@@ -271,7 +275,9 @@ class NoiseHandshake:
             send_key, receive_key = initiator_key, responder_key
         else:
             send_key, receive_key = responder_key, initiator_key
-        transport = NoiseTransport(send_key, receive_key, suite=self._symmetric.suite, pending=bytes(self._buffer))
+        transport = NoiseTransport(
+            send_key, receive_key, suite=self._symmetric.suite, pending=bytes(self._buffer)
+        )
         transport.remote_peer_id, transport.remote_public_key = self.remote_peer_id, self.remote_public_key
         transport.handshake_hash = self._symmetric.h
         self._buffer = bytearray()
@@ -399,8 +405,14 @@ class NoiseTransport:
 
     MAX_PLAINTEXT = MAX_MESSAGE - TAG
 
-    def __init__(self, send_key: bytes, receive_key: bytes, *, suite: CipherSuite = CHACHAPOLY_SUITE,
-                 pending: bytes = b""):
+    def __init__(
+        self,
+        send_key: bytes,
+        receive_key: bytes,
+        *,
+        suite: CipherSuite = CHACHAPOLY_SUITE,
+        pending: bytes = b"",
+    ):
         self.suite = suite
         self._send = suite.aead(send_key)
         self._receive = suite.aead(receive_key)

@@ -73,15 +73,24 @@ class Status(enum.IntEnum):
     UNEXPECTED_MESSAGE = 401
 
 
-_HOP = {"type": (1, "uint"), "peer": (2, "bytes"), "reservation": (3, "bytes"), "limit": (4, "bytes"),
-        "status": (5, "uint")}
+_HOP = {
+    "type": (1, "uint"),
+    "peer": (2, "bytes"),
+    "reservation": (3, "bytes"),
+    "limit": (4, "bytes"),
+    "status": (5, "uint"),
+}
 _STOP = {"type": (1, "uint"), "peer": (2, "bytes"), "limit": (3, "bytes"), "status": (4, "uint")}
 _PEER = {"id": (1, "bytes"), "addrs": (2, "bytes*")}
 _RESERVATION = {"expire": (1, "uint"), "addrs": (2, "bytes*"), "voucher": (3, "bytes")}
 _LIMIT = {"duration": (1, "uint"), "data": (2, "uint")}
 _VOUCHER = {"relay": (1, "bytes"), "peer": (2, "bytes"), "expiration": (3, "uint")}
-_ENVELOPE = {"public_key": (1, "bytes"), "payload_type": (2, "bytes"), "payload": (3, "bytes"),
-             "signature": (5, "bytes")}
+_ENVELOPE = {
+    "public_key": (1, "bytes"),
+    "payload_type": (2, "bytes"),
+    "payload": (3, "bytes"),
+    "signature": (5, "bytes"),
+}
 
 
 @dataclass(frozen=True)
@@ -126,27 +135,41 @@ def _encode_peer(peer: PeerID | None, addrs=()) -> bytes | None:
 
 
 def _encode_limit(limit: Limit | None) -> bytes | None:
-    return None if limit is None else pb.encode(_LIMIT, {"duration": limit.duration or None,
-                                                         "data": limit.data or None})
+    return (
+        None
+        if limit is None
+        else pb.encode(_LIMIT, {"duration": limit.duration or None, "data": limit.data or None})
+    )
 
 
 def encode_hop(message: HopMessage) -> bytes:
     reservation = None
     if (r := message.reservation) is not None:
-        reservation = pb.encode(_RESERVATION, {"expire": r.expire, "addrs": list(r.addrs), "voucher": r.voucher})
-    return pb.encode(_HOP, {
-        "type": int(message.type), "peer": _encode_peer(message.peer, message.peer_addrs),
-        "reservation": reservation, "limit": _encode_limit(message.limit),
-        "status": None if message.status is None else int(message.status),
-    })
+        reservation = pb.encode(
+            _RESERVATION, {"expire": r.expire, "addrs": list(r.addrs), "voucher": r.voucher}
+        )
+    return pb.encode(
+        _HOP,
+        {
+            "type": int(message.type),
+            "peer": _encode_peer(message.peer, message.peer_addrs),
+            "reservation": reservation,
+            "limit": _encode_limit(message.limit),
+            "status": None if message.status is None else int(message.status),
+        },
+    )
 
 
 def encode_stop(message: StopMessage) -> bytes:
-    return pb.encode(_STOP, {
-        "type": int(message.type), "peer": _encode_peer(message.peer, message.peer_addrs),
-        "limit": _encode_limit(message.limit),
-        "status": None if message.status is None else int(message.status),
-    })
+    return pb.encode(
+        _STOP,
+        {
+            "type": int(message.type),
+            "peer": _encode_peer(message.peer, message.peer_addrs),
+            "limit": _encode_limit(message.limit),
+            "status": None if message.status is None else int(message.status),
+        },
+    )
 
 
 def _decode(schema: dict, data, what: str) -> dict:
@@ -215,7 +238,9 @@ def decode_hop(data) -> HopMessage:
         raise RemoteProtocolError("hop CONNECT names no target peer")
     if kind is HopType.STATUS and status is None:
         raise RemoteProtocolError("hop STATUS carries no status code")
-    return HopMessage(kind, peer, addrs, reservation, _decode_limit(fields.get("limit"), "hop message"), status)
+    return HopMessage(
+        kind, peer, addrs, reservation, _decode_limit(fields.get("limit"), "hop message"), status
+    )
 
 
 def decode_stop(data) -> StopMessage:
@@ -251,11 +276,19 @@ def _signed_bytes(domain: str, payload_type: bytes, payload: bytes) -> bytes:
 
 def make_voucher(relay_key: PrivateKey, peer: PeerID, expiration: int) -> bytes:
     """A reservation voucher for `peer`, signed by the relay, as the envelope's bytes."""
-    payload = pb.encode(_VOUCHER, {"relay": relay_key.peer_id.to_bytes(), "peer": peer.to_bytes(),
-                                   "expiration": expiration})
+    payload = pb.encode(
+        _VOUCHER, {"relay": relay_key.peer_id.to_bytes(), "peer": peer.to_bytes(), "expiration": expiration}
+    )
     signature = relay_key.sign(_signed_bytes(VOUCHER_DOMAIN, VOUCHER_PAYLOAD_TYPE, payload))
-    return pb.encode(_ENVELOPE, {"public_key": relay_key.public_key.to_protobuf(),
-                                 "payload_type": VOUCHER_PAYLOAD_TYPE, "payload": payload, "signature": signature})
+    return pb.encode(
+        _ENVELOPE,
+        {
+            "public_key": relay_key.public_key.to_protobuf(),
+            "payload_type": VOUCHER_PAYLOAD_TYPE,
+            "payload": payload,
+            "signature": signature,
+        },
+    )
 
 
 def open_voucher(data: bytes) -> Voucher:

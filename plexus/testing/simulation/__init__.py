@@ -12,5 +12,15 @@ from .internet import Internet, InternetOptions
 from .matchmaker import MatchmakingOptions, MatchmakingSwarm, SimMatchmaker
 from .swarm import DHTSwarm, SwarmOptions
 
-__all__ = ["DHTOptions", "DHTSwarm", "Internet", "InternetOptions", "MatchmakingOptions", "MatchmakingSwarm",
-           "SimDHTNode", "SimMatchmaker", "Simulator", "SwarmOptions"]
+__all__ = [
+    "DHTOptions",
+    "DHTSwarm",
+    "Internet",
+    "InternetOptions",
+    "MatchmakingOptions",
+    "MatchmakingSwarm",
+    "SimDHTNode",
+    "SimMatchmaker",
+    "Simulator",
+    "SwarmOptions",
+]

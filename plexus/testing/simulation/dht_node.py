@@ -90,8 +90,9 @@ class SimDHTNode:
         self.options = o = options or DHTOptions()
         self.routing_table = RoutingTable(node_id, o.bucket_size, o.depth_modulo)
         self.storage, self.cache = DHTLocalStorage(), DHTLocalStorage()
-        self.protocol = DHTProtocol(node_id, self.routing_table, self.storage, self.cache, None,
-                                    o.num_replicas)
+        self.protocol = DHTProtocol(
+            node_id, self.routing_table, self.storage, self.cache, None, o.num_replicas
+        )
         self.blacklist = Blacklist(o.blacklist_time, o.backoff_rate)
         self.latency = LatencyEstimator(ceiling=o.wait_timeout, floor=min(DEFAULT_FLOOR, o.wait_timeout))
         self.alive = True
@@ -125,8 +126,14 @@ class SimDHTNode:
                 self._perform(self.protocol.peer_seen(response.node_id, peer_id, now))
             on_done(response)
 
-        self.internet.call(self.peer, target, (self.peer_id, message), wire_size(message),
-                           self.options.wait_timeout, answered)
+        self.internet.call(
+            self.peer,
+            target,
+            (self.peer_id, message),
+            wire_size(message),
+            self.options.wait_timeout,
+            answered,
+        )
 
     def _serve(self, sender, envelope, reply) -> None:
         sender_id, request = envelope
@@ -143,8 +150,11 @@ class SimDHTNode:
             reply(response, wire_size(response))
 
         if isinstance(request, PingRequest) and request.validate and request.node_id is not None:
-            self.request(sender_id, PingRequest(self.node_id),
-                         lambda pong: answer(pong is not None and pong.node_id == request.node_id))
+            self.request(
+                sender_id,
+                PingRequest(self.node_id),
+                lambda pong: answer(pong is not None and pong.node_id == request.node_id),
+            )
         else:
             answer(False)
 
@@ -152,15 +162,18 @@ class SimDHTNode:
         for action in actions:
             if isinstance(action, PingToEvict) and action.node_id not in self._evicting:
                 self._evicting.add(action.node_id)
-                self.request(action.peer_id, PingRequest(self.node_id),
-                             lambda _, node_id=action.node_id: self._evicting.discard(node_id))
+                self.request(
+                    action.peer_id,
+                    PingRequest(self.node_id),
+                    lambda _, node_id=action.node_id: self._evicting.discard(node_id),
+                )
             elif isinstance(action, HandOver):
                 self._send_items(action.peer_id, list(action.items), lambda _: None)
 
     def _send_items(self, peer_id, items: list[StoreItem], on_done, flags: list[bool] | None = None) -> None:
         """Store items on one peer, MAX_KEYS_PER_REQUEST a request; `on_done(flags or None)`."""
         flags = [] if flags is None else flags
-        chunk = tuple(items[len(flags):len(flags) + MAX_KEYS_PER_REQUEST])
+        chunk = tuple(items[len(flags) : len(flags) + MAX_KEYS_PER_REQUEST])
         if not chunk:
             on_done(flags)
             return
@@ -178,21 +191,35 @@ class SimDHTNode:
 
     def _initial_nodes(self, queries, count: int) -> dict:
         now = self.sim.now
-        return {query: [(node_id, peer_id) for node_id, peer_id in
-                        self.routing_table.get_nearest_neighbors(query, count, exclude=self.node_id)
-                        if not self.blacklist.is_banned(peer_id, now)] for query in queries}
+        return {
+            query: [
+                (node_id, peer_id)
+                for node_id, peer_id in self.routing_table.get_nearest_neighbors(
+                    query, count, exclude=self.node_id
+                )
+                if not self.blacklist.is_banned(peer_id, now)
+            ]
+            for query in queries
+        }
 
     def _lookup(self, queries, beam_size: int, on_result, on_done) -> "_Lookup":
         initial = self._initial_nodes(queries, beam_size)
-        traversal = Traversal(queries, initial, beam_size, self.options.num_workers, exclude=[self.node_id],
-                              straggler_timeout=self.latency.straggler_timeout(),
-                              min_straggler_timeout=self.latency.floor)
+        traversal = Traversal(
+            queries,
+            initial,
+            beam_size,
+            self.options.num_workers,
+            exclude=[self.node_id],
+            straggler_timeout=self.latency.straggler_timeout(),
+            min_straggler_timeout=self.latency.floor,
+        )
         return _Lookup(self, traversal, initial, on_result, on_done)
 
     def find_nearest_nodes(self, queries, on_done, k: int | None = None, exclude_self: bool = False) -> None:
         """`on_done(nearest, stats)`: for each query, {node_id: peer_id} of the k nearest, nearest first."""
         queries = list(dict.fromkeys(queries))
         k = k or self.options.bucket_size
+
         def finished(stats: LookupStats) -> None:
             nearest = {}
             for query in queries:
@@ -206,8 +233,9 @@ class SimDHTNode:
         lookup = self._lookup(queries, max(k, self.options.bucket_size), None, finished)
         lookup.start()
 
-    def store(self, key_id: DHTID, value: bytes, expiration: float, on_done,
-              subkey: bytes | None = None) -> None:
+    def store(
+        self, key_id: DHTID, value: bytes, expiration: float, on_done, subkey: bytes | None = None
+    ) -> None:
         """Store on the `num_replicas` nearest peers that answer; `on_done(accepted, stats)`."""
         item = StoreItem(key_id, subkey, value, expiration)
         started = self.sim.now
@@ -279,10 +307,16 @@ class SimDHTNode:
             if best is not None:
                 if self.options.cache_locally:
                     merge_found(self.cache, key_id, best, now)
-                lacking = sorted(((node_id, peer_id) for expiration, node_id, peer_id in answers
-                                  if expiration < best.expiration_time), key=lambda item: item[0] ^ key_id)
+                lacking = sorted(
+                    (
+                        (node_id, peer_id)
+                        for expiration, node_id, peer_id in answers
+                        if expiration < best.expiration_time
+                    ),
+                    key=lambda item: item[0] ^ key_id,
+                )
                 items = store_items_of(key_id, best, now, in_cache=True)
-                for _, peer_id in lacking[:self.options.cache_nearest]:
+                for _, peer_id in lacking[: self.options.cache_nearest]:
                     self._send_items(peer_id, items, lambda _: None)
             on_done(best, LookupStats(now - started, stats.requests, found_at[0] if found_at else None))
 
@@ -302,8 +336,12 @@ class SimDHTNode:
             if not state["answered"]:
                 on_done(False, LookupStats(self.sim.now - started, len(initial_peers), None))
                 return
-            self.find_nearest_nodes([self.node_id], lambda _, stats: on_done(True, LookupStats(
-                self.sim.now - started, stats.requests + len(initial_peers), stats.hops)))
+            self.find_nearest_nodes(
+                [self.node_id],
+                lambda _, stats: on_done(
+                    True, LookupStats(self.sim.now - started, stats.requests + len(initial_peers), stats.hops)
+                ),
+            )
 
         def pinged(peer_id, response) -> None:
             pending.discard(peer_id)
@@ -314,8 +352,11 @@ class SimDHTNode:
                 join()
 
         for peer_id in initial_peers:
-            self.request(peer_id, PingRequest(self.node_id, validate=True),
-                         lambda response, peer_id=peer_id: pinged(peer_id, response))
+            self.request(
+                peer_id,
+                PingRequest(self.node_id, validate=True),
+                lambda response, peer_id=peer_id: pinged(peer_id, response),
+            )
 
     def leave(self) -> None:
         """Go silent, as a volunteer's machine does: nothing is said, every pending call is void."""
@@ -346,8 +387,11 @@ class _Lookup:
         for request in traversal.next_queries(node.sim.now):
             self.requests += 1
             self.pending += 1
-            node.request(request.peer_id, FindRequest(node.node_id, request.queries),
-                         lambda response, request=request: self._answered(request, response))
+            node.request(
+                request.peer_id,
+                FindRequest(node.node_id, request.queries),
+                lambda response, request=request: self._answered(request, response),
+            )
         if traversal.done or not self.pending:
             self._finish()
             return
@@ -369,8 +413,11 @@ class _Lookup:
             check_bans = len(node.blacklist) > 0
             neighbours = {}
             for query, result in zip(request.queries, response.results):
-                neighbours[query] = [(node_id, peer_id) for node_id, peer_id in result.nearest
-                                     if node_id != node.node_id and not (check_bans and banned(peer_id, now))]
+                neighbours[query] = [
+                    (node_id, peer_id)
+                    for node_id, peer_id in result.nearest
+                    if node_id != node.node_id and not (check_bans and banned(peer_id, now))
+                ]
                 for node_id, _ in neighbours[query]:
                     self.depth.setdefault(node_id, depth + 1)
                 if self.on_result is not None:

@@ -32,16 +32,30 @@ import dataclasses
 import math
 import random
 
-DEFAULT_REGIONS = {"north-america": 0.35, "europe": 0.35, "asia": 0.20, "south-america": 0.05,
-                   "oceania": 0.05}
+DEFAULT_REGIONS = {
+    "north-america": 0.35,
+    "europe": 0.35,
+    "asia": 0.20,
+    "south-america": 0.05,
+    "oceania": 0.05,
+}
 # typical round-trip times between (and within) regions, in seconds
 DEFAULT_REGION_RTT = {
-    ("north-america", "north-america"): 0.040, ("north-america", "europe"): 0.090,
-    ("north-america", "asia"): 0.160, ("north-america", "south-america"): 0.130,
-    ("north-america", "oceania"): 0.160, ("europe", "europe"): 0.025, ("europe", "asia"): 0.200,
-    ("europe", "south-america"): 0.200, ("europe", "oceania"): 0.280, ("asia", "asia"): 0.060,
-    ("asia", "south-america"): 0.300, ("asia", "oceania"): 0.120, ("south-america", "south-america"): 0.040,
-    ("south-america", "oceania"): 0.300, ("oceania", "oceania"): 0.030,
+    ("north-america", "north-america"): 0.040,
+    ("north-america", "europe"): 0.090,
+    ("north-america", "asia"): 0.160,
+    ("north-america", "south-america"): 0.130,
+    ("north-america", "oceania"): 0.160,
+    ("europe", "europe"): 0.025,
+    ("europe", "asia"): 0.200,
+    ("europe", "south-america"): 0.200,
+    ("europe", "oceania"): 0.280,
+    ("asia", "asia"): 0.060,
+    ("asia", "south-america"): 0.300,
+    ("asia", "oceania"): 0.120,
+    ("south-america", "south-america"): 0.040,
+    ("south-america", "oceania"): 0.300,
+    ("oceania", "oceania"): 0.030,
 }
 WEIBULL_SHAPE = 0.5
 QUEUE_SLACK = 1e-3  # a message that waits less than this for its receiver is handled on arrival
@@ -121,9 +135,14 @@ class Internet:
     def add_peer(self, handler=None, up: float | None = None, down: float | None = None) -> Peer:
         o, rng = self.options, self.rng
         region = rng.choices(range(len(self._region_names)), self._weights)[0]
-        peer = Peer(len(self.peers), region, o.access_median * math.exp(rng.gauss(0, o.access_sigma)),
-                    up or o.up_median * math.exp(rng.gauss(0, o.bandwidth_sigma)),
-                    down or o.down_median * math.exp(rng.gauss(0, o.bandwidth_sigma)), handler)
+        peer = Peer(
+            len(self.peers),
+            region,
+            o.access_median * math.exp(rng.gauss(0, o.access_sigma)),
+            up or o.up_median * math.exp(rng.gauss(0, o.bandwidth_sigma)),
+            down or o.down_median * math.exp(rng.gauss(0, o.bandwidth_sigma)),
+            handler,
+        )
         self.peers.append(peer)
         return peer
 
@@ -206,8 +225,16 @@ class Internet:
 
         def reply(response, size: int) -> None:  # a late answer still costs both ends; it is dropped then
             if dst.alive:
-                self._transmit(dst, src, size, max(0.0, delay - (self.sim.now - handled)), self._finish, src,
-                               call, response)
+                self._transmit(
+                    dst,
+                    src,
+                    size,
+                    max(0.0, delay - (self.sim.now - handled)),
+                    self._finish,
+                    src,
+                    call,
+                    response,
+                )
 
         handled = self.sim.now
         dst.handler(src, message, reply)

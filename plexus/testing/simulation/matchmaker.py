@@ -29,8 +29,13 @@ FIRST_POLL_INTERVAL = 0.05
 MAX_REDIRECTS = 16
 MESSAGE_SIZE = 160  # bytes of a JoinRequest or JoinResponse on the wire, roughly
 DECLARED, WITHDRAWN = b"\xc3", b"\xc2"  # msgpack True and False, the values of a bucket entry
-SHORT_REFUSALS = {JoinCode.NOT_A_LEADER, JoinCode.GROUP_DISBANDED, JoinCode.NOT_DECLARED,
-                  JoinCode.DUPLICATE_PEER_ID, JoinCode.PROTOCOL_VIOLATION}
+SHORT_REFUSALS = {
+    JoinCode.NOT_A_LEADER,
+    JoinCode.GROUP_DISBANDED,
+    JoinCode.NOT_DECLARED,
+    JoinCode.DUPLICATE_PEER_ID,
+    JoinCode.PROTOCOL_VIOLATION,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +73,12 @@ class SimMatchmaker:
         self.node, self.sim, self.internet = node, node.sim, node.internet
         self.options, self.group_bits, self.registry = options, group_bits, registry
         self.peer_id: PeerID = node.peer_id
-        self.state = MatchmakingState(self.peer_id, schema_hash=SCHEMA_HASH,
-                                      target_group_size=options.target_group_size,
-                                      min_group_size=options.min_group_size)
+        self.state = MatchmakingState(
+            self.peer_id,
+            schema_hash=SCHEMA_HASH,
+            target_group_size=options.target_group_size,
+            min_group_size=options.min_group_size,
+        )
         self.max_poll = min(1.0, max(0.1, options.min_matchmaking_time / 5))
         self.round = 0
         self.over = True
@@ -110,8 +118,13 @@ class SimMatchmaker:
         if self.state.phase in (Phase.LOOKING, Phase.FOLLOWING):
             self._deliver(self.state.stop("the round ended"))
         if self.declared_until is not None:  # withdraw, in the background
-            self.node.store(self.key_id, WITHDRAWN, math.nextafter(self.declared_until, math.inf),
-                            lambda *_: None, subkey=self.peer_id.to_bytes())
+            self.node.store(
+                self.key_id,
+                WITHDRAWN,
+                math.nextafter(self.declared_until, math.inf),
+                lambda *_: None,
+                subkey=self.peer_id.to_bytes(),
+            )
         led = group is not None and self.state.leader == self.peer_id
         if group is not None:
             target = self.options.target_group_size
@@ -139,8 +152,11 @@ class SimMatchmaker:
                 self._ask(leader)
         if self.timer is not None:
             self.timer.cancel()
-        wake = self.deadline if state.declared is None or now >= state.declared else min(self.deadline,
-                                                                                        state.declared)
+        wake = (
+            self.deadline
+            if state.declared is None or now >= state.declared
+            else min(self.deadline, state.declared)
+        )
         self.timer = self.sim.at(wake, self._advance)
 
     def _assemble(self) -> None:
@@ -170,8 +186,13 @@ class SimMatchmaker:
 
     def _extend(self) -> bool:
         old = self.state.declared
-        if min(self.sim.now + max(self.options.min_matchmaking_time, self.options.request_timeout),
-               self.deadline) <= old + 1e-3:
+        if (
+            min(
+                self.sim.now + max(self.options.min_matchmaking_time, self.options.request_timeout),
+                self.deadline,
+            )
+            <= old + 1e-3
+        ):
             return False
         self._declare(self.options.min_matchmaking_time)
         self._advance()
@@ -199,8 +220,11 @@ class SimMatchmaker:
             if self.sim.now - started <= self.options.request_timeout:  # else read_bucket timed out
                 view = {}
                 if found is not None and isinstance(found.value, DictionaryDHTValue):
-                    view = {PeerID(subkey): entry.expiration_time
-                            for subkey, entry in found.value.items(self.sim.now) if entry.value == DECLARED}
+                    view = {
+                        PeerID(subkey): entry.expiration_time
+                        for subkey, entry in found.value.items(self.sim.now)
+                        if entry.value == DECLARED
+                    }
             if view is not None and view != self.view:
                 self.view, self.poll_interval = view, FIRST_POLL_INTERVAL
                 self._advance()
@@ -321,8 +345,14 @@ class MatchmakingSwarm:
     `allreduce_time` averaging before it looks again (at once after a round without a group).
     With `group_bits` > 0 each peer starts in a random one of 2**group_bits buckets."""
 
-    def __init__(self, swarm, options: MatchmakingOptions, group_bits: int = 0, start_spread: float = 5.0,
-                 allreduce_time: float = 10.0):
+    def __init__(
+        self,
+        swarm,
+        options: MatchmakingOptions,
+        group_bits: int = 0,
+        start_spread: float = 5.0,
+        allreduce_time: float = 10.0,
+    ):
         self.swarm, self.options = swarm, options
         self.start_spread, self.allreduce_time = start_spread, allreduce_time
         self.registry: dict[bytes, dict] = {}
@@ -330,7 +360,9 @@ class MatchmakingSwarm:
         rng = swarm.rng
         self.matchmakers = [
             SimMatchmaker(node, options, "".join(rng.choice("01") for _ in range(group_bits)), self.registry)
-            for node in swarm.online.values() if node not in swarm.bootstrap]
+            for node in swarm.online.values()
+            if node not in swarm.bootstrap
+        ]
 
     def start(self) -> None:
         for matchmaker in self.matchmakers:

@@ -104,7 +104,7 @@ class DHTSwarm:
         half = o.warm_neighbours // 2
         for position, node in enumerate(ordered):
             table = node.routing_table
-            nearby = ordered[max(0, position - half):position + half + 1]
+            nearby = ordered[max(0, position - half) : position + half + 1]
             sample = self.rng.sample(everyone, min(o.warm_random, len(everyone)))
             for other in nearby + sample + self.bootstrap:
                 if other is not node:

@@ -37,12 +37,19 @@ def run(scenario, out=sys.stdout) -> int:
     failed = 0
     try:
         lab.start()
-        print(f"lab {lab.namespaces.tag}* is up: {len(scenario.peers)} peers, mtu {scenario.lab.mtu}, "
-              f"TCP {scenario.lab.congestion_control}", file=out, flush=True)
+        print(
+            f"lab {lab.namespaces.tag}* is up: {len(scenario.peers)} peers, mtu {scenario.lab.mtu}, "
+            f"TCP {scenario.lab.congestion_control}",
+            file=out,
+            flush=True,
+        )
         if scenario.pairs:
             prober = PathProber(lab, scenario.measure)
-            print(f"\nplain TCP/UDP on the lab's paths\n{HEADER}\n|" + "---|" * (HEADER.count("|") - 1),
-                  file=out, flush=True)
+            print(
+                f"\nplain TCP/UDP on the lab's paths\n{HEADER}\n|" + "---|" * (HEADER.count("|") - 1),
+                file=out,
+                flush=True,
+            )
             for a, b in scenario.pairs:
                 print(format_row(prober.measure(a, b)), file=out, flush=True)
             prober.close()
@@ -56,8 +63,11 @@ def run(scenario, out=sys.stdout) -> int:
                 row = f"| {result.peer} | {command} | {code} | {result.seconds:.1f} | {tail} |"
                 print(row, file=out, flush=True)
         stats = lab.forwarder_stats()
-        print(f"\nforwarder: {stats['received']} packets in, {stats['dropped']} dropped as configured loss, "
-              f"{stats['tun_dropped']} lost because the forwarder fell behind", file=out)
+        print(
+            f"\nforwarder: {stats['received']} packets in, {stats['dropped']} dropped as configured loss, "
+            f"{stats['tun_dropped']} lost because the forwarder fell behind",
+            file=out,
+        )
     finally:
         for signum in TERMINATING_SIGNALS:  # a second signal must not interrupt the clean-up
             signal.signal(signum, signal.SIG_IGN)
@@ -66,11 +76,15 @@ def run(scenario, out=sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m plexus.testing.wan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m plexus.testing.wan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("scenario", nargs="?", help="the scenario file (TOML)")
-    parser.add_argument("--cleanup", action="store_true",
-                        help="only remove what labs of crashed runs left behind, then exit")
+    parser.add_argument(
+        "--cleanup", action="store_true", help="only remove what labs of crashed runs left behind, then exit"
+    )
     parser.add_argument("--show", action="store_true", help="print the scenario as understood, then exit")
     args = parser.parse_args(argv)
     if args.cleanup:
@@ -83,8 +97,17 @@ def main(argv: list[str] | None = None) -> int:
         scenario = load_scenario(args.scenario)
         if args.show:
             peers = {name: vars(profile) for name, profile in scenario.peers.items()}
-            print(json.dumps({"peers": peers, "pairs": scenario.pairs, "lab": vars(scenario.lab),
-                              "programs": [vars(program) for program in scenario.programs]}, indent=2))
+            print(
+                json.dumps(
+                    {
+                        "peers": peers,
+                        "pairs": scenario.pairs,
+                        "lab": vars(scenario.lab),
+                        "programs": [vars(program) for program in scenario.programs],
+                    },
+                    indent=2,
+                )
+            )
             return 0
         reason = missing_prerequisite(("ip", "tc", "nft"))
         if reason is not None:

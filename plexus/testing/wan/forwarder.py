@@ -75,8 +75,9 @@ class _Path:
 
     def __init__(self, delay: float, jitter: float, loss: float):
         if delay < 0 or jitter < 0 or not 0 <= loss <= 1:
-            raise ValueError(f"a path needs delay >= 0, jitter >= 0 and loss in [0, 1], got "
-                             f"{delay}, {jitter}, {loss}")
+            raise ValueError(
+                f"a path needs delay >= 0, jitter >= 0 and loss in [0, 1], got {delay}, {jitter}, {loss}"
+            )
         self.delay, self.jitter, self.loss = delay, jitter, loss
         self.last = float("-inf")
         self.packets = self.dropped = 0
@@ -90,8 +91,14 @@ class DelayLine:
     `header` (VNET_HEADER.size), each buffer starts with a virtio-net header, and a TCP
     super-packet counts (and loses) as the segments it stands for."""
 
-    def __init__(self, paths, tick: float = DEFAULT_TICK, rng: random.Random | None = None,
-                 max_held: int = MAX_HELD_PACKETS, header: int = 0):
+    def __init__(
+        self,
+        paths,
+        tick: float = DEFAULT_TICK,
+        rng: random.Random | None = None,
+        max_held: int = MAX_HELD_PACKETS,
+        header: int = 0,
+    ):
         if tick <= 0:
             raise ValueError(f"tick must be positive, got {tick}")
         if header not in (0, VNET_HEADER.size):
@@ -113,7 +120,7 @@ class DelayLine:
         its release time."""
         self.received += 1
         ip = self.header
-        path = self._paths.get(packet[ip + 12:ip + 20]) if packet[ip] >> 4 == 4 else None
+        path = self._paths.get(packet[ip + 12 : ip + 20]) if packet[ip] >> 4 == 4 else None
         if path is None:
             self.unknown += 1
             self._hold(packet, now)
@@ -174,10 +181,20 @@ class DelayLine:
         return self._slots[0] * self.tick if self._slots else None
 
     def stats(self) -> dict:
-        paths = {f"{socket.inet_ntoa(key[:4])}>{socket.inet_ntoa(key[4:])}": [path.packets, path.dropped]
-                 for key, path in self._paths.items() if path.packets}
-        return {"received": self.received, "delivered": self.delivered, "dropped": self.dropped,
-                "unknown": self.unknown, "overflow": self.overflow, "held": self.held, "paths": paths}
+        paths = {
+            f"{socket.inet_ntoa(key[:4])}>{socket.inet_ntoa(key[4:])}": [path.packets, path.dropped]
+            for key, path in self._paths.items()
+            if path.packets
+        }
+        return {
+            "received": self.received,
+            "delivered": self.delivered,
+            "dropped": self.dropped,
+            "unknown": self.unknown,
+            "overflow": self.overflow,
+            "held": self.held,
+            "paths": paths,
+        }
 
 
 # --- TCP super-packets ------------------------------------------------------------------------------
@@ -210,7 +227,7 @@ def _fold(total: int) -> int:
 
 
 def _ip_checksum(header: bytes) -> bytes:
-    total = sum(int.from_bytes(header[i:i + 2], "big") for i in range(0, len(header), 2))
+    total = sum(int.from_bytes(header[i : i + 2], "big") for i in range(0, len(header), 2))
     return (~_fold(total) & 0xFFFF).to_bytes(2, "big")
 
 
@@ -226,26 +243,28 @@ def split_tcp(buffer: bytes) -> list[bytes]:
         return [buffer]
     ihl, thl, size = layout
     ip = VNET_HEADER.size
-    template = bytearray(buffer[ip:ip + ihl + thl])
+    template = bytearray(buffer[ip : ip + ihl + thl])
     ip_id = int.from_bytes(template[4:6], "big")
-    sequence = int.from_bytes(template[ihl + 4:ihl + 8], "big")
+    sequence = int.from_bytes(template[ihl + 4 : ihl + 8], "big")
     flags = template[ihl + 13]
     addresses = template[12:20]
-    address_sum = sum(int.from_bytes(addresses[i:i + 2], "big") for i in range(0, 8, 2)) + socket.IPPROTO_TCP
-    payload = memoryview(buffer)[ip + ihl + thl:]
+    address_sum = (
+        sum(int.from_bytes(addresses[i : i + 2], "big") for i in range(0, 8, 2)) + socket.IPPROTO_TCP
+    )
+    payload = memoryview(buffer)[ip + ihl + thl :]
     count = max(1, -(-len(payload) // size))
     vnet = VNET_HEADER.pack(NEEDS_CSUM, GSO_NONE, 0, 0, ihl, 16)
     pieces = []
     for i in range(count):
-        chunk = payload[i * size:(i + 1) * size]
+        chunk = payload[i * size : (i + 1) * size]
         header = bytearray(template)
         header[2:4] = (ihl + thl + len(chunk)).to_bytes(2, "big")
         header[4:6] = ((ip_id + i) & 0xFFFF).to_bytes(2, "big")
         header[10:12] = b"\0\0"
         header[10:12] = _ip_checksum(header[:ihl])
-        header[ihl + 4:ihl + 8] = ((sequence + i * size) & 0xFFFFFFFF).to_bytes(4, "big")
+        header[ihl + 4 : ihl + 8] = ((sequence + i * size) & 0xFFFFFFFF).to_bytes(4, "big")
         header[ihl + 13] = flags & ~(TCP_CWR if i else 0) & ~(0 if i == count - 1 else TCP_FIN | TCP_PSH)
-        header[ihl + 16:ihl + 18] = _fold(address_sum + thl + len(chunk)).to_bytes(2, "big")
+        header[ihl + 16 : ihl + 18] = _fold(address_sum + thl + len(chunk)).to_bytes(2, "big")
         pieces.append(vnet + header + chunk)
     return pieces
 
@@ -353,8 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads(control.read_line())
     offload = not args.no_offload
     header = VNET_HEADER.size if offload else 0
-    line = DelayLine(config["paths"], config.get("tick", DEFAULT_TICK), random.Random(config.get("seed")),
-                     header=header)
+    line = DelayLine(
+        config["paths"], config.get("tick", DEFAULT_TICK), random.Random(config.get("seed")), header=header
+    )
     tun = open_tun(args.dev, offload)
     _lower_timer_slack()
     _emit("ready", dev=args.dev, paths=len(config["paths"]), offload=offload)

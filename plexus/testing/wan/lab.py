@@ -162,8 +162,13 @@ class WanLab:
     def _build(self) -> None:
         ns = self.namespaces
         self._add_namespace("core")
-        ns.sysctl("core", "net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
-                  "net.ipv4.conf.default.rp_filter=0", "net.ipv4.conf.all.send_redirects=0")
+        ns.sysctl(
+            "core",
+            "net.ipv4.ip_forward=1",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+            "net.ipv4.conf.all.send_redirects=0",
+        )
         self._start_forwarder()
         ns.ip("core", "link", "set", TUN_DEVICE, "mtu", str(TUN_MTU), "txqueuelen", str(TUN_QUEUE), "up")
         ns.ip("core", "route", "add", "default", "dev", TUN_DEVICE, "table", str(ROUTE_TABLE))
@@ -173,8 +178,15 @@ class WanLab:
 
     def _add_namespace(self, name: str) -> None:
         self.namespaces.add(name)
-        self.namespaces.run("sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-                            "net.ipv6.conf.default.disable_ipv6=1", ns=name, check=False)
+        self.namespaces.run(
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv6.conf.all.disable_ipv6=1",
+            "net.ipv6.conf.default.disable_ipv6=1",
+            ns=name,
+            check=False,
+        )
 
     def _start_forwarder(self) -> None:
         paths = []
@@ -182,13 +194,25 @@ class WanLab:
             for b in self.profiles:
                 if a != b:
                     path = self.path(a, b)
-                    paths.append([self.public_address(a), self.public_address(b), path.one_way, path.jitter,
-                                  path.loss])
-        process = self.namespaces.spawn("core", [sys.executable, "-S", FORWARDER, "--dev", TUN_DEVICE,
-                                                 "--mtu", str(self.options.mtu),
-                                                 *(() if self.options.offload else ("--no-offload",)),
-                                                 *(("--realtime",) if self.options.realtime else ()),
-                                                 "--lab", self.namespaces.tag])
+                    paths.append(
+                        [self.public_address(a), self.public_address(b), path.one_way, path.jitter, path.loss]
+                    )
+        process = self.namespaces.spawn(
+            "core",
+            [
+                sys.executable,
+                "-S",
+                FORWARDER,
+                "--dev",
+                TUN_DEVICE,
+                "--mtu",
+                str(self.options.mtu),
+                *(() if self.options.offload else ("--no-offload",)),
+                *(("--realtime",) if self.options.realtime else ()),
+                "--lab",
+                self.namespaces.tag,
+            ],
+        )
         self.forwarder = PeerProcess("forwarder", process)
         config = {"paths": paths, "tick": self.options.tick, "seed": self.options.seed}
         self.forwarder.send(json.dumps(config))
@@ -212,8 +236,15 @@ class WanLab:
         ns.veth(edge, uplink, "core", f"p{i}", mtu)
         ns.ip(edge, "addr", "add", f"10.201.{i}.2/24", "dev", uplink)
         ns.ip(edge, "link", "set", uplink, "up")
-        ns.ip(edge, "route", "add", "default", "via", f"10.201.{i}.1",
-              *(() if profile.nat else self._congestion_control))
+        ns.ip(
+            edge,
+            "route",
+            "add",
+            "default",
+            "via",
+            f"10.201.{i}.1",
+            *(() if profile.nat else self._congestion_control),
+        )
         ns.ip("core", "addr", "add", f"10.201.{i}.1/24", "dev", f"p{i}")
         ns.ip("core", "link", "set", f"p{i}", "up")
         ns.ip("core", "rule", "add", "iif", f"p{i}", "lookup", str(ROUTE_TABLE), "priority", "100")
@@ -238,27 +269,101 @@ class WanLab:
 
     def _uplink(self, ns: Namespaces, i: int, rate: float, burst: int, queue: int) -> None:
         rate_text, classid, leaf = f"{int(rate)}bit", f"1:{i:x}", f"{i + 0x100:x}:"
-        ns.tc("core", "class", "add", "dev", TUN_DEVICE, "parent", "1:", "classid", classid, "htb",
-              "rate", rate_text, "ceil", rate_text, "burst", str(burst), "cburst", str(burst),
-              "quantum", str(max(burst, TUN_MTU)))
-        ns.tc("core", "qdisc", "add", "dev", TUN_DEVICE, "parent", classid, "handle", leaf, "bfifo",
-              "limit", str(queue))
-        ns.tc("core", "filter", "add", "dev", TUN_DEVICE, "parent", "1:", "protocol", "ip", "prio", "1",
-              "u32", "match", "ip", "src", f"10.201.{i}.2/32", "flowid", classid)
+        ns.tc(
+            "core",
+            "class",
+            "add",
+            "dev",
+            TUN_DEVICE,
+            "parent",
+            "1:",
+            "classid",
+            classid,
+            "htb",
+            "rate",
+            rate_text,
+            "ceil",
+            rate_text,
+            "burst",
+            str(burst),
+            "cburst",
+            str(burst),
+            "quantum",
+            str(max(burst, TUN_MTU)),
+        )
+        ns.tc(
+            "core",
+            "qdisc",
+            "add",
+            "dev",
+            TUN_DEVICE,
+            "parent",
+            classid,
+            "handle",
+            leaf,
+            "bfifo",
+            "limit",
+            str(queue),
+        )
+        ns.tc(
+            "core",
+            "filter",
+            "add",
+            "dev",
+            TUN_DEVICE,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            "src",
+            f"10.201.{i}.2/32",
+            "flowid",
+            classid,
+        )
 
     def _downlink(self, ns: Namespaces, i: int, rate: float, burst: int, queue: int) -> None:
-        ns.tc("core", "qdisc", "add", "dev", f"p{i}", "root", "tbf", "rate", f"{int(rate)}bit",
-              "burst", str(burst), "limit", str(queue))
+        ns.tc(
+            "core",
+            "qdisc",
+            "add",
+            "dev",
+            f"p{i}",
+            "root",
+            "tbf",
+            "rate",
+            f"{int(rate)}bit",
+            "burst",
+            str(burst),
+            "limit",
+            str(queue),
+        )
 
     def _tcp_buffer(self, name: str) -> int:
-        bdp = max((max(self.path(name, other).bdp, self.path(other, name).bdp) for other in self.profiles
-                   if other != name), default=0)
+        bdp = max(
+            (
+                max(self.path(name, other).bdp, self.path(other, name).bdp)
+                for other in self.profiles
+                if other != name
+            ),
+            default=0,
+        )
         return max(MIN_TCP_BUFFER, int(4 * bdp))
 
     # --- running things inside ------------------------------------------------------------------
 
-    def spawn(self, name: str, argv: Sequence[str], env: dict | None = None, cwd: str | None = None,
-              stderr=subprocess.PIPE) -> subprocess.Popen:
+    def spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict | None = None,
+        cwd: str | None = None,
+        stderr=subprocess.PIPE,
+    ) -> subprocess.Popen:
         """Start `argv` in peer `name`'s namespace (a subprocess.Popen with text pipes)."""
         return self._namespaces().spawn(f"p{self._index(name)}", argv, env=env, cwd=cwd, stderr=stderr)
 
@@ -266,8 +371,9 @@ class WanLab:
         """Run a command to its end in `name`'s namespace and return its output."""
         return self._namespaces().run(*argv, ns=f"p{self._index(name)}")
 
-    def peer(self, name: str, argv: Sequence[str], env: dict | None = None,
-             cwd: str | None = None) -> PeerProcess:
+    def peer(
+        self, name: str, argv: Sequence[str], env: dict | None = None, cwd: str | None = None
+    ) -> PeerProcess:
         """Start `argv` in `name`'s namespace and follow the JSON events it prints (netns.emit)."""
         return PeerProcess(name, self.spawn(name, argv, env=env, cwd=cwd))
 

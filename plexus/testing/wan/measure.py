@@ -113,9 +113,20 @@ class PathProber:
         udp = {"delays": [], "sent": 0, "reordered": 0}
         if options.udp_count > 0:
             drain = str(2 * path.rtt + 4 * path.jitter + 0.5)
-            udp = self._run(client, "udp", host, "--count", str(options.udp_count), "--interval",
-                            str(options.udp_interval), "--size", str(options.udp_size), "--drain", drain,
-                            *reverse)
+            udp = self._run(
+                client,
+                "udp",
+                host,
+                "--count",
+                str(options.udp_count),
+                "--interval",
+                str(options.udp_interval),
+                "--size",
+                str(options.udp_size),
+                "--drain",
+                drain,
+                *reverse,
+            )
         throughput = None
         if options.tcp_seconds > 0:
             tcp = self._run(client, "tcp", host, "--seconds", str(options.tcp_seconds), *reverse)
@@ -132,12 +143,14 @@ class PathProber:
 
 def steady_rate(bins: list[int], width: float, warmup: float) -> float | None:
     """Bit/s over the full bins after `warmup` seconds (the last bin is partial and left out)."""
-    steady = bins[int(math.ceil(warmup / width)):-1]
+    steady = bins[int(math.ceil(warmup / width)) : -1]
     return sum(steady) * 8 / (len(steady) * width) if steady else None
 
 
-HEADER = ("| path | RTT ms set / measured | one-way ms set / measured | jitter ms set / measured "
-          "| loss % set / measured | TCP bound / measured | x bound |")
+HEADER = (
+    "| path | RTT ms set / measured | one-way ms set / measured | jitter ms set / measured "
+    "| loss % set / measured | TCP bound / measured | x bound |"
+)
 
 
 def format_row(m: PathMeasurement) -> str:
@@ -148,6 +161,8 @@ def format_row(m: PathMeasurement) -> str:
     else:
         tcp, ratio = f"{format_rate(bound)} / {format_rate(m.throughput)}", f"{m.throughput / bound:.2f}"
     bound_kind = f" ({p.congestion_control} at this loss)" if p.loss_bound < p.goodput else ""
-    return (f"| {m.a} -> {m.b} | {p.rtt * 1e3:.2f} / {m.rtt * 1e3:.2f} | {p.one_way * 1e3:.2f} / "
-            f"{m.one_way * 1e3:.2f} | {p.jitter * 1e3:.2f} / {m.jitter * 1e3:.2f} | {p.loss * 100:.2f} / "
-            f"{m.loss * 100:.2f} | {tcp}{bound_kind} | {ratio} |")
+    return (
+        f"| {m.a} -> {m.b} | {p.rtt * 1e3:.2f} / {m.rtt * 1e3:.2f} | {p.one_way * 1e3:.2f} / "
+        f"{m.one_way * 1e3:.2f} | {p.jitter * 1e3:.2f} / {m.jitter * 1e3:.2f} | {p.loss * 100:.2f} / "
+        f"{m.loss * 100:.2f} | {tcp}{bound_kind} | {ratio} |"
+    )

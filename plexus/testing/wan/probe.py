@@ -93,8 +93,9 @@ def source(connection: socket.socket, seconds: float) -> int:
     return sent
 
 
-def send_datagrams(sock: socket.socket, address, session: bytes, count: int, interval: float,
-                   size: int) -> None:
+def send_datagrams(
+    sock: socket.socket, address, session: bytes, count: int, interval: float, size: int
+) -> None:
     padding = b"\0" * max(0, size - DATAGRAM.size)
     started = time.monotonic()
     for sequence in range(count):
@@ -116,14 +117,18 @@ def receive_stamped(sock: socket.socket) -> tuple[bytes, tuple, float]:
     data, ancillary, _, address = sock.recvmsg(65536, socket.CMSG_SPACE(TIMESPEC.size))
     for level, kind, value in ancillary:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
-            seconds, nanoseconds = TIMESPEC.unpack(value[:TIMESPEC.size])
+            seconds, nanoseconds = TIMESPEC.unpack(value[: TIMESPEC.size])
             return data, address, seconds + nanoseconds * 1e-9
     return data, address, time.time()
 
 
 def udp_result(count: int, record: list[tuple[int, float]]) -> dict:
-    return {"sent": count, "received": len(record), "delays": [delay for _, delay in record],
-            "reordered": sum(1 for (a, _), (b, _) in itertools.pairwise(record) if b < a)}
+    return {
+        "sent": count,
+        "received": len(record),
+        "delays": [delay for _, delay in record],
+        "reordered": sum(1 for (a, _), (b, _) in itertools.pairwise(record) if b < a),
+    }
 
 
 # --- the server -------------------------------------------------------------------------------------
@@ -173,8 +178,11 @@ class Server:
             if len(data) == UDP_REQUEST.size and data[:1] == b"Q":
                 _, session, count, interval, size = UDP_REQUEST.unpack(data)
                 count = min(count, MAX_DATAGRAMS)
-                threading.Thread(target=send_datagrams, daemon=True,
-                                 args=(self.udp, address, session, count, interval, size)).start()
+                threading.Thread(
+                    target=send_datagrams,
+                    daemon=True,
+                    args=(self.udp, address, session, count, interval, size),
+                ).start()
             elif len(data) >= DATAGRAM.size:
                 session, sequence, sent = DATAGRAM.unpack_from(data)
                 with self.arrived:
@@ -237,8 +245,9 @@ def measure_tcp(host: str, port: int, seconds: float, reverse: bool) -> dict:
         return dict(recv_json(connection), sent=sent)
 
 
-def measure_udp(host: str, port: int, count: int, interval: float, size: int, drain: float,
-                reverse: bool) -> dict:
+def measure_udp(
+    host: str, port: int, count: int, interval: float, size: int, drain: float, reverse: bool
+) -> dict:
     session = os.urandom(8)
     with stamped_socket() as sock:
         if reverse:
@@ -272,8 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("mode", choices=("serve", "rtt", "setup", "tcp", "udp"))
     parser.add_argument("host", nargs="?", help="the server's address (not for serve)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--count", type=int, default=None,
-                        help="round trips (20), connections (10) or datagrams (2000)")
+    parser.add_argument(
+        "--count", type=int, default=None, help="round trips (20), connections (10) or datagrams (2000)"
+    )
     parser.add_argument("--interval", type=float, default=None, help="seconds between probes (0.01 / 0.001)")
     parser.add_argument("--seconds", type=float, default=5.0, help="how long the TCP stream sends")
     parser.add_argument("--size", type=int, default=100, help="bytes per UDP datagram")
@@ -295,8 +305,18 @@ def main(argv: list[str] | None = None) -> None:
     elif args.mode == "tcp":
         emit("tcp", **measure_tcp(args.host, args.port, args.seconds, args.reverse))
     else:
-        emit("udp", **measure_udp(args.host, args.port, args.count or 2000, args.interval or 0.001,
-                                  args.size, args.drain, args.reverse))
+        emit(
+            "udp",
+            **measure_udp(
+                args.host,
+                args.port,
+                args.count or 2000,
+                args.interval or 0.001,
+                args.size,
+                args.drain,
+                args.reverse,
+            ),
+        )
 
 
 if __name__ == "__main__":

@@ -184,8 +184,15 @@ def parse_loss(value) -> float:
 
 def profile_from_fields(fields: dict, base: LinkProfile | None = None, where: str = "profile") -> LinkProfile:
     """A profile from config fields (down, up, rtt, jitter, loss, nat, queue), over `base` if given."""
-    readers = {"down": parse_rate, "up": parse_rate, "rtt": parse_duration, "jitter": parse_duration,
-               "loss": parse_loss, "nat": bool, "queue": parse_duration}
+    readers = {
+        "down": parse_rate,
+        "up": parse_rate,
+        "rtt": parse_duration,
+        "jitter": parse_duration,
+        "loss": parse_loss,
+        "nat": bool,
+        "queue": parse_duration,
+    }
     unknown = set(fields) - set(readers)
     if unknown:
         raise UsageError(f"{where}: unknown field(s) {sorted(unknown)}; a link has {sorted(readers)}")

@@ -129,7 +129,7 @@ def _profiles(table: Mapping, where: str) -> dict[str, LinkProfile]:
 
 def _peers(table, profiles: dict[str, LinkProfile], where: str):
     if not table:
-        raise UsageError(f"{where}: a scenario needs a [peers] table, e.g. a = \"home\"")
+        raise UsageError(f'{where}: a scenario needs a [peers] table, e.g. a = "home"')
     peers: dict[str, LinkProfile] = {}
     groups: dict[str, list[str]] = {}
     for name, spec in table.items():
@@ -138,7 +138,7 @@ def _peers(table, profiles: dict[str, LinkProfile], where: str):
         spec = dict(spec)
         profile_name, count = spec.pop("profile", None), spec.pop("count", 1)
         if profile_name is None:
-            raise UsageError(f"{where} [peers] {name}: say which profile, e.g. {{ profile = \"home\" }}")
+            raise UsageError(f'{where} [peers] {name}: say which profile, e.g. {{ profile = "home" }}')
         profile = profiles.get(profile_name) or resolve_profile(profile_name)
         if spec:
             profile = profile_from_fields(spec, profile, f"{where} [peers] {name}")
@@ -175,7 +175,7 @@ def _pairs(spec, peers: Mapping[str, LinkProfile], groups, where: str) -> list[t
             for a in _members(pair[0], peers, groups, where):
                 candidates += [(a, b) for b in _members(pair[1], peers, groups, where) if b != a]
     else:
-        raise UsageError(f"{where} [measure] pairs: \"star\", \"all\" or a list of [from, to], got {spec!r}")
+        raise UsageError(f'{where} [measure] pairs: "star", "all" or a list of [from, to], got {spec!r}')
     return [(a, b) for a, b in candidates if not (peers[a].nat and peers[b].nat)]
 
 
@@ -185,7 +185,7 @@ def _program(table, peers, groups, where: str) -> Program:
     if isinstance(command, str):
         command = command.split()
     if not command or not all(isinstance(part, str) for part in command):
-        raise UsageError(f"{where}: `command` must be a list of strings, e.g. [\"python\", \"peer.py\"]")
+        raise UsageError(f'{where}: `command` must be a list of strings, e.g. ["python", "peer.py"]')
     members = [m for name in table.get("peers", list(groups)) for m in _members(name, peers, groups, where)]
     return Program(members, list(command), float(table.get("timeout", 300.0)))
 
@@ -214,8 +214,14 @@ def _run_programs(lab, programs: list[Program], shared: str) -> list[ProgramResu
     running = []
     for program in programs:
         for peer in program.peers:
-            env = dict(os.environ, PLEXUS_LAB_PEER=peer, PLEXUS_LAB_ADDRESS=lab.address(peer),
-                       PLEXUS_LAB_PEERS=json.dumps(directory), PLEXUS_LAB_DIR=shared, PYTHONUNBUFFERED="1")
+            env = dict(
+                os.environ,
+                PLEXUS_LAB_PEER=peer,
+                PLEXUS_LAB_ADDRESS=lab.address(peer),
+                PLEXUS_LAB_PEERS=json.dumps(directory),
+                PLEXUS_LAB_DIR=shared,
+                PYTHONUNBUFFERED="1",
+            )
             process = lab.spawn(peer, _resolve_python(program.command), env=env, stderr=subprocess.STDOUT)
             tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
             reader = threading.Thread(target=tail.extend, args=(process.stdout,), daemon=True)

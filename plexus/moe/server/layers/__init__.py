@@ -5,6 +5,10 @@ from .optim import ClippingWrapper, get_linear_schedule_with_warmup, schedule_na
 from .registry import name_to_block, name_to_input, register_expert_class
 
 __all__ = [
-    "ClippingWrapper", "get_linear_schedule_with_warmup", "name_to_block", "name_to_input",
-    "register_expert_class", "schedule_name_to_scheduler",
+    "ClippingWrapper",
+    "get_linear_schedule_with_warmup",
+    "name_to_block",
+    "name_to_input",
+    "register_expert_class",
+    "schedule_name_to_scheduler",
 ]

@@ -44,9 +44,12 @@ class TransformerEncoderLayer(nn.Module):
     def __init__(self, hidden_dim: int, num_heads: int = 16, dropout: float = 0.1):
         super().__init__()
         if hidden_dim % num_heads:
-            raise ValueError(f"the transformer expert needs hidden_dim divisible by {num_heads}, got {hidden_dim}")
-        self.layer = nn.TransformerEncoderLayer(hidden_dim, num_heads, dim_feedforward=4 * hidden_dim,
-                                                dropout=dropout, batch_first=True)
+            raise ValueError(
+                f"the transformer expert needs hidden_dim divisible by {num_heads}, got {hidden_dim}"
+            )
+        self.layer = nn.TransformerEncoderLayer(
+            hidden_dim, num_heads, dim_feedforward=4 * hidden_dim, dropout=dropout, batch_first=True
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layer(x, src_key_padding_mask=mask)

@@ -43,12 +43,15 @@ class ClippingWrapper(torch.optim.Optimizer):
         return f"ClippingWrapper({self.optimizer!r}, clip_grad_norm={self.clip_grad_norm})"
 
 
-def get_linear_schedule_with_warmup(optimizer: torch.optim.Optimizer, num_warmup_steps: int,
-                                    num_training_steps: int) -> LambdaLR:
+def get_linear_schedule_with_warmup(
+    optimizer: torch.optim.Optimizer, num_warmup_steps: int, num_training_steps: int
+) -> LambdaLR:
     """LR rises linearly from 0 over `num_warmup_steps`, then falls linearly to 0 at `num_training_steps`."""
     if not 0 <= num_warmup_steps <= num_training_steps or num_training_steps <= 0:
-        raise ValueError(f"need 0 <= num_warmup_steps ({num_warmup_steps}) <= num_training_steps "
-                         f"({num_training_steps}) and num_training_steps > 0")
+        raise ValueError(
+            f"need 0 <= num_warmup_steps ({num_warmup_steps}) <= num_training_steps "
+            f"({num_training_steps}) and num_training_steps > 0"
+        )
 
     def factor(step: int) -> float:
         if step < num_warmup_steps:

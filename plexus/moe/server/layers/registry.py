@@ -27,8 +27,10 @@ def register_expert_class(name: str, sample_input: SampleInputFn):
 
     def register(cls):
         if name in name_to_block:
-            raise ValueError(f"an expert class named {name!r} is already registered ({name_to_block[name]}); "
-                             f"pick another name")
+            raise ValueError(
+                f"an expert class named {name!r} is already registered ({name_to_block[name]}); "
+                f"pick another name"
+            )
         name_to_block[name] = cls
         name_to_input[name] = sample_input
         return cls

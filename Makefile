@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench setup
+.PHONY: demo test bench setup lint
 
 setup: $(VENV)/.installed
 
@@ -16,9 +16,14 @@ $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 demo: setup
 	$(VENV)/bin/plexus demo $(DEMO_ARGS)
 
-test: setup
+test: setup lint
 	$(PY) scripts/fetch_p2pd.py
 	$(PY) -m pytest -ra --durations=15
 
 bench: setup
 	$(PY) benchmarks/transport.py
+
+# The habits CI holds: lint rules and the formatter's layout (pyproject.toml's [tool.ruff]).
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

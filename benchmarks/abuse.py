@@ -62,22 +62,22 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
-from plexus.dht.messages import PingRequest, StoreItem, StoreRequest, StoreResponse, decode_response  # noqa: E402
-from plexus.dht.node import DHTNode  # noqa: E402
-from plexus.dht.p2p_transport import DHT_PROTOCOL, HostDHTTransport  # noqa: E402
-from plexus.dht.routing import DHTID  # noqa: E402
-from plexus.moe import BatchTensorDescriptor, ExpertInfo, ModuleBackend, Server  # noqa: E402
-from plexus.moe.client import expert_forward, get_expert_schema  # noqa: E402
-from plexus.moe.server.layers import name_to_block, name_to_input  # noqa: E402
-from plexus.p2p import rpc  # noqa: E402
-from plexus.p2p.host import Host  # noqa: E402
-from plexus.p2p.multiaddr import Multiaddr, parse_host_port  # noqa: E402
-from plexus.testing.flood import ConnectionFlood  # noqa: E402
-from plexus.utils.serializer import MSGPackSerializer  # noqa: E402
-from plexus.utils.timing import get_dht_time  # noqa: E402
+from plexus.dht.messages import PingRequest, StoreItem, StoreRequest, StoreResponse, decode_response
+from plexus.dht.node import DHTNode
+from plexus.dht.p2p_transport import DHT_PROTOCOL, HostDHTTransport
+from plexus.dht.routing import DHTID
+from plexus.moe import BatchTensorDescriptor, ExpertInfo, ModuleBackend, Server
+from plexus.moe.client import expert_forward, get_expert_schema
+from plexus.moe.server.layers import name_to_block, name_to_input
+from plexus.p2p import rpc
+from plexus.p2p.host import Host
+from plexus.p2p.multiaddr import Multiaddr, parse_host_port
+from plexus.testing.flood import ConnectionFlood
+from plexus.utils.serializer import MSGPackSerializer
+from plexus.utils.timing import get_dht_time
 
 LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 SYBIL_IP = "127.0.0.66"  # another address of this machine: every 127/8 address is the loopback's

@@ -33,20 +33,20 @@ import ctypes
 import gc
 import math
 import multiprocessing as mp
-from multiprocessing.connection import wait as wait_for_pipes
 import os
 import re
 import socket
 import statistics
 import sys
 import time
+from multiprocessing.connection import wait as wait_for_pipes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
-from plexus.averaging.partition import DEFAULT_PART_SIZE_BYTES  # noqa: E402
+from plexus.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 COMPRESSIONS = ("none", "float16")

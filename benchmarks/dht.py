@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psutil  # noqa: E402
+import psutil
 
-from plexus.dht.node import DHTNode  # noqa: E402
-from plexus.dht.p2p_transport import HostDHTTransport  # noqa: E402
-from plexus.p2p.host import Host  # noqa: E402
-from plexus.utils.timing import get_dht_time  # noqa: E402
+from plexus.dht.node import DHTNode
+from plexus.dht.p2p_transport import HostDHTTransport
+from plexus.p2p.host import Host
+from plexus.utils.timing import get_dht_time
 
 LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 TTL = 600.0

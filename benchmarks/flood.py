@@ -37,11 +37,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plexus.dht.node import DHTNode  # noqa: E402
-from plexus.dht.p2p_transport import HostDHTTransport  # noqa: E402
-from plexus.p2p.host import Host  # noqa: E402
-from plexus.testing.flood import ConnectionFlood  # noqa: E402
-from plexus.utils.timing import get_dht_time  # noqa: E402
+from plexus.dht.node import DHTNode
+from plexus.dht.p2p_transport import HostDHTTransport
+from plexus.p2p.host import Host
+from plexus.testing.flood import ConnectionFlood
+from plexus.utils.timing import get_dht_time
 
 ROUND = 110  # connections the attacker makes between two looks at its orders
 

@@ -94,7 +94,7 @@ def client(index, maddrs, uids, args, go, stop, ready, results) -> None:
     dht = DHT(initial_peers=maddrs, start=True, client_mode=True)
     experts = get_experts(dht, uids)
     for expert in experts:
-        expert.schema  # fetched once, before any clock starts
+        _ = expert.schema  # fetched once, before any clock starts
     rng = random.Random(index)
     calls = []
     ready.release()

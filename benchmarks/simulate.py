@@ -36,9 +36,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plexus.testing.simulation.internet import InternetOptions  # noqa: E402
-from plexus.testing.simulation.matchmaker import MatchmakingOptions, MatchmakingSwarm  # noqa: E402
-from plexus.testing.simulation.swarm import DHTSwarm, SwarmOptions  # noqa: E402
+from plexus.testing.simulation.internet import InternetOptions
+from plexus.testing.simulation.matchmaker import MatchmakingOptions, MatchmakingSwarm
+from plexus.testing.simulation.swarm import DHTSwarm, SwarmOptions
 
 
 def quantiles(values, *points) -> list[float]:

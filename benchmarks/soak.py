@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plexus.testing import ChurnSchedule, LocalSwarm  # noqa: E402  (after the path set-up)
+from plexus.testing import ChurnSchedule, LocalSwarm
 
 
 def run_phase(peers: int, seconds: float, schedule: ChurnSchedule | None, run_id: str):

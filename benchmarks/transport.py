@@ -24,13 +24,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cryptography import x509  # noqa: E402
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
-from plexus.p2p.host import Host  # noqa: E402
-from plexus.p2p.identity import PeerID  # noqa: E402
+from plexus.p2p.host import Host
+from plexus.p2p.identity import PeerID
 
 CHUNK = 1 << 20
 BULK_RUNS = 3
@@ -125,7 +125,7 @@ def receiver(conn, cert_path: str, key_path: str) -> None:
         loop = asyncio.get_running_loop()
 
         def control():  # answers CPU-time queries while the loop serves
-            while (message := conn.recv()) != "stop":
+            while conn.recv() != "stop":
                 conn.send(time.process_time())
             loop.call_soon_threadsafe(done.set)
 
@@ -152,7 +152,7 @@ class TCPVariant:
         )
 
     async def setup(self) -> None:
-        reader, writer = await self.connect()
+        _reader, writer = await self.connect()
         writer.close()
 
     async def send_bulk(self, total: int):
@@ -184,7 +184,7 @@ class TCPVariant:
 class TLSVariant(TCPVariant):
     async def bulk(self, total: int) -> int:
         # TLS over asyncio has no half-close, so the sink cannot answer a count: close once sent
-        reader, writer = await self.send_bulk(total)
+        _reader, writer = await self.send_bulk(total)
         writer.close()
         await writer.wait_closed()
         return total
@@ -274,8 +274,8 @@ async def run(args) -> None:
     print(
         f"\n{args.bulk_mib} MiB one way (median of {BULK_RUNS}), {args.rounds} x 1 KiB round trips, {args.setups} connection set-ups, 127.0.0.1"
     )
-    print(f"| variant | set-up ms | 1 KiB RTT µs | bulk MiB/s | x plain TCP | CPU-s/GiB (both ends) |")
-    print(f"|---|---|---|---|---|---|")
+    print("| variant | set-up ms | 1 KiB RTT µs | bulk MiB/s | x plain TCP | CPU-s/GiB (both ends) |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         print(
             f"| {r['name']} | {r['setup_ms']:.2f} | {r['rtt_us']:.0f} | {r['mib_s']:,.0f} | "

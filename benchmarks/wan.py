@@ -31,10 +31,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plexus.testing.netns import PeerProcess, emit, missing_prerequisite  # noqa: E402
-from plexus.testing.wan import PROFILES, LinkProfile, WanLab  # noqa: E402
-from plexus.testing.wan.measure import HEADER, MeasureOptions, PathProber, format_row, steady_rate  # noqa: E402
-from plexus.testing.wan.profiles import format_rate  # noqa: E402
+from plexus.testing.netns import PeerProcess, emit, missing_prerequisite
+from plexus.testing.wan import PROFILES, LinkProfile, WanLab
+from plexus.testing.wan.measure import HEADER, MeasureOptions, PathProber, format_row, steady_rate
+from plexus.testing.wan.profiles import format_rate
 
 ECHO, SINK = "/bench/echo/1.0.0", "/bench/sink/1.0.0"
 PORT = 4001

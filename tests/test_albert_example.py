@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-import torch  # noqa: E402
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
@@ -119,7 +119,7 @@ def test_tokenized_rows_are_well_formed_sentence_order_pairs(tokenized):
 @pytest.mark.timeout(10)
 def test_pairs_are_adjacent_runs_of_one_document_within_budget():
     rng = random.Random(0)
-    for trial in range(300):
+    for _trial in range(300):
         counter = iter(range(10**6))  # token ids are positions, so adjacency is checkable
         document = [[next(counter) for _ in range(rng.randint(0, 40))] for _ in range(rng.randint(1, 12))]
         budget = rng.randint(4, 60)

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
-import torch  # noqa: E402
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
@@ -631,8 +631,9 @@ def test_a_trainer_resumes_from_its_own_checkpoint_at_its_epoch(tokenized, tmp_p
 
 @pytest.mark.timeout(10)
 def test_monitor_reads_the_swarms_progress_and_skips_stale_or_malformed_reports():
-    from plexus.utils.timed_storage import ValueWithExpiration
     from run_training_monitor import swarm_progress
+
+    from plexus.utils.timed_storage import ValueWithExpiration
 
     def report(epoch, samples, speed, when, client=False):
         return dict(

@@ -279,7 +279,7 @@ def test_authorized_peers_average_and_share_state_and_outsiders_cannot_join():
         for averager in averagers:
             with averager.get_tensors() as (tensor,):
                 assert torch.allclose(tensor, torch.full((100,), 0.5))
-        metadata, tensors = averagers[1].load_state_from_peers(timeout=20)
+        _metadata, tensors = averagers[1].load_state_from_peers(timeout=20)
         assert torch.allclose(tensors[0], torch.full((100,), 0.5))
         for authorizer in (None, member(TokenAuthority()), _Refuser()):
             with pytest.raises((DHTBootstrapError, TimeoutError)):

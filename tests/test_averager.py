@@ -1,7 +1,6 @@
 """DecentralizedAverager end to end: matchmaking + all-reduce + state sharing over real hosts."""
 
 import asyncio
-import concurrent.futures
 import multiprocessing as mp
 import os
 import signal
@@ -194,12 +193,12 @@ def test_newcomer_downloads_state_while_the_donors_average():
     newcomer = DecentralizedAverager([torch.zeros(200_000)], dhts[2], prefix="state", start=True, **FAST)
     try:
         controls = [d.step(wait=False, timeout=20) for d in donors]
-        metadata, (tensor,) = newcomer.load_state_from_peers(timeout=20)
+        _metadata, (tensor,) = newcomer.load_state_from_peers(timeout=20)
         assert tensor.shape == (200_000,)
         assert torch.all(tensor == tensor[0]) and tensor[0].item() in (0.0, 1.0, 0.5), "a consistent snapshot"
         for control in controls:
             control.result()
-        metadata, (tensor,) = newcomer.load_state_from_peers(timeout=20)
+        _metadata, (tensor,) = newcomer.load_state_from_peers(timeout=20)
         assert torch.allclose(tensor, torch.full((200_000,), 0.5))
     finally:
         close(*donors, newcomer, *dhts)

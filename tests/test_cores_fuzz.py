@@ -144,9 +144,9 @@ def test_yamux_frames_never_raise_anything_else(is_client, items, repeat, cuts, 
         except RemoteProtocolError:
             return
         fed += len(piece)
-        for event in events:
-            if consume and isinstance(event, DataReceived):
-                session.consumed(event.stream_id, len(event.data))
+        for received in events:
+            if consume and isinstance(received, DataReceived):
+                session.consumed(received.stream_id, len(received.data))
         check_yamux_bounds(session, fed)
 
 
@@ -195,16 +195,16 @@ def test_two_honest_yamux_sessions_agree(ops, chunk_sizes):
         offset = 0
         while offset < len(data):
             size = next(sizes)
-            for event in dst.receive_data(data[offset : offset + size]):
-                if isinstance(event, DataReceived):
-                    got[dst].setdefault(event.stream_id, bytearray()).extend(event.data)
-                    dst.consumed(event.stream_id, len(event.data), now=0.0)
-                elif isinstance(event, StreamOpened):
-                    open_ids[dst].add(event.stream_id)
-                elif isinstance(event, StreamReset):
-                    reset.add(event.stream_id)
-                    open_ids[dst].discard(event.stream_id)
-                elif isinstance(event, StreamEnded):
+            for received in dst.receive_data(data[offset : offset + size]):
+                if isinstance(received, DataReceived):
+                    got[dst].setdefault(received.stream_id, bytearray()).extend(received.data)
+                    dst.consumed(received.stream_id, len(received.data), now=0.0)
+                elif isinstance(received, StreamOpened):
+                    open_ids[dst].add(received.stream_id)
+                elif isinstance(received, StreamReset):
+                    reset.add(received.stream_id)
+                    open_ids[dst].discard(received.stream_id)
+                elif isinstance(received, StreamEnded):
                     pass
             offset += size
 

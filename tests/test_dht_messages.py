@@ -147,7 +147,7 @@ def test_known_peers_take_a_fast_path_that_still_checks_every_field():
         "nearest pair too long": [[0, None, 0.0, [[ID, peer, peer]]]],
         "nearest pair not an array": [[0, None, 0.0, [ID + peer]]],
     }
-    for name, results in bad.items():
+    for _name, results in bad.items():
         with pytest.raises(DHTProtocolError):
             Message.decode(wire(6, None, results, []))
     bad_addresses = {
@@ -158,7 +158,7 @@ def test_known_peers_take_a_fast_path_that_still_checks_every_field():
         "entry too long": [[peer, [addr], 1]],
         "peer not bytes": [[[peer], [addr]]],
     }
-    for name, addresses in bad_addresses.items():
+    for _name, addresses in bad_addresses.items():
         with pytest.raises(DHTProtocolError):
             Message.decode(wire(6, None, [], addresses))
     assert Message.decode(wire(6, None, [], [[peer, [addr, addr]]])).addresses == ((PEER, (addr, addr)),)

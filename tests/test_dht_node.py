@@ -7,8 +7,7 @@ import random
 import pytest
 
 from plexus.dht.crypto import Ed25519SignatureValidator
-from plexus.dht.messages import DHTRPCError, ErrorResponse, Message, PingRequest, PingResponse
-from plexus.dht.messages import StoreItem
+from plexus.dht.messages import DHTRPCError, ErrorResponse, Message, PingRequest, PingResponse, StoreItem
 from plexus.dht.node import DHTBootstrapError, DHTNode
 from plexus.dht.protocol import make_record
 from plexus.dht.routing import DHTID

@@ -7,7 +7,6 @@ import pytest
 from plexus.dht.crypto import Ed25519SignatureValidator
 from plexus.dht.messages import (
     FindRequest,
-    FindResponse,
     Message,
     PingRequest,
     PingResponse,

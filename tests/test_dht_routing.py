@@ -75,7 +75,7 @@ def test_table_invariants(seed, bucket_size, depth_modulo):
     for bucket in table.buckets:
         assert len(bucket.nodes) <= bucket_size and all(bucket.has_in_range(n) for n in bucket.nodes)
         # split rule: a bucket that could not split is full only if it is far from us at a modulo depth
-    for index, bucket in enumerate(table.buckets):
+    for _index, bucket in enumerate(table.buckets):
         if bucket.replacements:
             assert not bucket.has_in_range(me) and bucket.depth % depth_modulo == 0
     # the id maps agree with the buckets

@@ -23,7 +23,7 @@ def simulate(num_nodes=60, seed=0):
     rng = random.Random(seed)
     ids = [DHTID(rng.randrange(2**160)) for _ in range(num_nodes)]
     tables = {}
-    for index, node_id in enumerate(ids):
+    for _index, node_id in enumerate(ids):
         table = RoutingTable(node_id, BUCKET)
         for other_index, other in enumerate(ids):
             table.add_or_update_node(other, PEERS[other_index], 0)
@@ -91,7 +91,7 @@ def test_a_silent_peer_among_the_nearest_costs_the_straggler_limit_not_the_timeo
     assert ended >= WAIT_TIMEOUT and without.next_deadline() is None  # the old behaviour: wait it out
 
     with_limit = start(ids, tables, query, straggler_timeout=0.5)
-    ended, trace = drive(with_limit, tables, {}, silent)
+    ended, _trace = drive(with_limit, tables, {}, silent)
     assert ended < 2.0
     alive = [n for n in ids[1:] if n not in silent]
     expected = sorted(alive, key=lambda n: n ^ query)[:BUCKET]
@@ -140,7 +140,7 @@ def test_outstanding_requests_stay_bounded_when_every_peer_is_silent():
     query = DHTID.generate("q")
     silent = set(ids[1:])
     traversal = start(ids, tables, query, straggler_timeout=0.1, max_stragglers=4)
-    ended, trace = drive(traversal, tables, {}, silent, max_outstanding=3 + 4)
+    ended, _trace = drive(traversal, tables, {}, silent, max_outstanding=3 + 4)
     assert traversal.done and traversal.nearest(query) == []
     assert ended >= WAIT_TIMEOUT  # with everyone silent, only failures end the lookup
     stragglers_at_cap = Traversal(

@@ -1,7 +1,5 @@
 """Validators: Ed25519-owned records, pydantic schemas, and their composite."""
 
-from typing import Dict, Optional
-
 import pydantic
 import pytest
 
@@ -71,11 +69,11 @@ def test_strip_leaves_unowned_values_alone():
 
 class Report(pydantic.BaseModel):
     step: int
-    loss: Optional[float] = None
+    loss: float | None = None
 
 
 class Schema(pydantic.BaseModel):
-    progress: Dict[BytesWithPublicKey, Optional[Report]]
+    progress: dict[BytesWithPublicKey, Report | None]
     name: str
     pair: tuple[int, str]
 
@@ -148,9 +146,9 @@ def test_protected_key_rejects_plain_values_and_extra_owner_subkeys():
     from plexus.dht.schema import OwnerPublicKey
 
     class Protected(pydantic.BaseModel):
-        progress: Dict[BytesWithPublicKey, Optional[int]]
-        single: Dict[OwnerPublicKey, Optional[int]]
-        open_dict: Dict[bytes, int]
+        progress: dict[BytesWithPublicKey, int | None]
+        single: dict[OwnerPublicKey, int | None]
+        open_dict: dict[bytes, int]
 
     validator = SchemaValidator(Protected, allow_extra_keys=False)
     owner = Ed25519SignatureValidator().local_public_key

@@ -8,7 +8,6 @@ never on sleeps.
 import asyncio
 import math
 import random
-import time
 
 import msgpack
 import pytest

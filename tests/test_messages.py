@@ -2,7 +2,7 @@
 the exact error text, field path included, for what it refuses."""
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import msgpack
 import pytest
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(10)
 @dataclass(frozen=True)
 class Inner(Message):
     a: int
-    b: Optional[str] = None
+    b: str | None = None
 
     def __post_init__(self) -> None:
         if self.a < 0:

@@ -34,9 +34,9 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("poison", ["grad_outputs", "inputs", "few_elements"])
 def test_a_nonfinite_backward_is_refused_and_the_expert_unchanged(
-    client,
+    client,  # noqa: F811 (the fixture imported above)
     poison,
-    caplog,  # noqa: F811
+    caplog,
     monkeypatch,
 ):
     monkeypatch.setattr(handler, "_refusals", RateLimitedLog(handler.logger))  # a fresh once-a-minute log

@@ -129,7 +129,7 @@ def test_private_peers_behind_nat_use_the_relay_for_dht_and_averaging(punch):
         relay_stats = public.wait_for("bye")
 
         assert public_dht["values"] == {"a": "from a", "b": "from b", "pub": "from pub"}
-        for name, other in (("a", "b"), ("b", "a")):
+        for name, _other in (("a", "b"), ("b", "a")):
             result = results[name]
             assert result["dht"] == {"a": "from a", "b": "from b", "pub": "from pub"}, result
             # AutoNAT: the public peer could not dial back through the NAT, so: private, use relays.

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from plexus.dht.dht import RELAY_KEY, DHT
+from plexus.dht.dht import DHT, RELAY_KEY
 from plexus.p2p.protocols import autonat as autonat_core
 from plexus.p2p.protocols.relay import HOP_PROTOCOL
 

@@ -69,7 +69,7 @@ def test_two_peers_train_together_and_end_identical(options, caplog):
         for thread in threads:
             thread.join(100)
         assert set(results) == {0, 1}, "a peer did not finish"
-        (epoch_a, params_a, losses_a), (epoch_b, params_b, losses_b) = results[0], results[1]
+        (epoch_a, params_a, losses_a), (epoch_b, params_b, _losses_b) = results[0], results[1]
         assert min(epoch_a, epoch_b) >= 6
         assert sum(losses_a[-5:]) < sum(losses_a[:5]), "the loss goes down"
         assert epoch_a == epoch_b == 6, "peers that start together share every epoch"

@@ -224,7 +224,7 @@ def start_threads(configs: list[dict], results: dict, events, barrier: bool = Tr
     ]
     for thread in threads:
         thread.start()
-    kind, _, maddrs, _ = events.get(timeout=60)
+    _kind, _, maddrs, _ = events.get(timeout=60)
     for _ in configs[1:]:
         addresses.put(maddrs)
     return threads, maddrs

@@ -156,7 +156,7 @@ def test_sigkilled_peer_stalls_nobody_and_leaves_nothing_behind():
     for process in processes:
         process.start()
     try:
-        kind, _, maddrs, _ = events.get(timeout=90)
+        _kind, _, maddrs, _ = events.get(timeout=90)
         for _ in range(2):
             addresses.put(maddrs)
         victim = processes[2]

@@ -96,7 +96,7 @@ def run(coroutine):
 def test_private_peers_reach_each_other_through_the_relay():
     async def main():
         async with Swarm() as swarm:
-            a, client_a = await swarm.private()
+            a, _client_a = await swarm.private()
             b, _ = await swarm.private(reserve=False)
             # A advertises a circuit address through R, and identify carries it.
             assert a.get_visible_maddrs() == [swarm.circuit(a)]
@@ -284,7 +284,7 @@ def test_a_relay_cannot_pass_one_peer_off_as_another():
 def test_reservation_is_renewed_after_the_relay_connection_drops():
     async def main():
         async with Swarm() as swarm:
-            a, client = await swarm.private(renew_period=0.2)
+            a, _client = await swarm.private(renew_period=0.2)
             await swarm.relay.disconnect(a.peer_id)
             deadline = asyncio.get_running_loop().time() + TIMEOUT
             while swarm.relay.get_connection(

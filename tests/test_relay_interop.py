@@ -80,7 +80,7 @@ def test_a_go_peer_dials_our_private_peer_through_our_relay(p2pd_factory):
 
             # Streams both ways over the relayed connection.
             assert await a.ping(daemon.peer_id, timeout=TIMEOUT) >= 0
-            info, reader, writer = await control.stream_open(a.peer_id, [PING])
+            _info, reader, writer = await control.stream_open(a.peer_id, [PING])
             payload = os.urandom(32)
             writer.write(payload)
             await writer.drain()

@@ -376,7 +376,7 @@ def test_offloaded_optimizer_with_a_cuda_half_precision_model():
         for param, old in zip(model.parameters(), before):
             assert param.device.type == "cuda" and param.dtype == torch.float16
             assert torch.allclose(param.float().cpu(), old - 0.5, atol=1e-2)
-        metadata, tensors, _ = averager.get_current_state()
+        _metadata, tensors, _ = averager.get_current_state()
         assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors[:2])
     finally:
         close(averager, dht)

@@ -202,7 +202,7 @@ def test_state_changing_during_a_download_yields_the_snapshot():
 
 def test_donor_dying_mid_download_newcomer_finishes_from_another():
     async def main():
-        async with swarm(4) as (boot, a, b, newcomer):
+        async with swarm(4) as (_boot, a, b, newcomer):
             metadata, tensors = make_state()
             dying = await share(a, (metadata, tensors), priority=2)
             healthy = await share(b, (metadata, tensors), priority=1)
@@ -225,7 +225,7 @@ def test_donor_dying_mid_download_newcomer_finishes_from_another():
 
 def test_best_donor_dying_falls_back_to_a_donor_with_other_state():
     async def main():
-        async with swarm(4) as (boot, a, b, newcomer):
+        async with swarm(4) as (_boot, a, b, newcomer):
             fresh, stale = make_state(0), make_state(1)
             dying = await share(a, fresh, priority=2)
             older = await share(b, stale, priority=1)
@@ -270,7 +270,7 @@ def test_corrupt_chunks_are_detected_and_refetched_elsewhere():
 
 def test_no_donors_returns_none():
     async def main():
-        async with swarm(3) as (a, b, newcomer):
+        async with swarm(3) as (a, _b, newcomer):
             assert await load(newcomer, timeout=10) is None
             # a peer that declared but no longer shares counts as no donor too
             metadata, tensors = make_state()
@@ -283,7 +283,7 @@ def test_no_donors_returns_none():
 
 def test_all_donors_failing_gives_a_clear_error_within_the_deadline():
     async def main():
-        async with swarm(4) as (boot, a, b, newcomer):
+        async with swarm(4) as (_boot, a, b, newcomer):
             metadata, tensors = make_state()
             liars = [await share(a, (metadata, tensors)), await share(b, (metadata, tensors))]
             serve = StateSharing._chunk_payload

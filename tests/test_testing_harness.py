@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from plexus.testing import ChurnEvent, ChurnSchedule, ForgedProgress, Fault, NaNGradients, Silent, Slow
+from plexus.testing import ChurnEvent, ChurnSchedule, Fault, ForgedProgress, NaNGradients, Silent, Slow
 from plexus.testing.churn import build_parser, parse_fault
 from plexus.testing.report import ChurnRecord, SwarmReport
 from plexus.testing.swarm_peer import Finished, Heartbeat, Ready, Transition

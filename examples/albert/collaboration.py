@@ -17,10 +17,10 @@ import logging
 import math
 
 import torch
-from plexus.utils.timing import get_dht_time
+from metrics import HISTORY, LocalMetrics, StepMetrics, metrics_key
 from transformers import TrainerCallback
 
-from metrics import HISTORY, LocalMetrics, StepMetrics, metrics_key
+from plexus.utils.timing import get_dht_time
 
 logger = logging.getLogger("plexus.albert")
 

@@ -15,6 +15,7 @@ peers, the samples and the swarm's samples/s.
 import dataclasses
 
 import pydantic
+
 from plexus.dht.crypto import Ed25519SignatureValidator
 from plexus.dht.schema import BytesWithPublicKey, SchemaValidator
 

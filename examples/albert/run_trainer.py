@@ -31,15 +31,14 @@ from functools import partial
 
 import torch
 import transformers
-from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
-
 from collaboration import LossMeter, NoOpScheduler, SwarmCallback  # siblings in examples/albert
 from data import MaskingCollator, PeerShuffledStream, PretrainingDataset
 from lamb import Lamb
 from metrics import make_validators
 from model import AlbertForMaskedOnlyPreTraining, count_parameters, make_config, parameter_groups
 from swarm import stop_on_signals
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 
 logger = logging.getLogger("plexus.albert")
 

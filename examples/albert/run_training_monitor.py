@@ -29,11 +29,11 @@ import os
 import shutil
 import time
 
-import plexus
-from plexus.utils.logging import use_plexus_log_handler
-
 from metrics import StepTable, make_validators, metrics_key, parse_records  # siblings in examples/albert
 from swarm import stop_on_signals
+
+import plexus
+from plexus.utils.logging import use_plexus_log_handler
 
 logger = logging.getLogger("plexus.albert")
 PROGRESS_STALE_AFTER = 30.0  # seconds: a trainer's progress record older than this counts as gone
@@ -126,7 +126,6 @@ class Checkpointer:
 
     def __init__(self, dht, args):
         import torch  # noqa: F401  (heavy imports only when checkpoints are wanted)
-
         from data import read_meta
         from model import AlbertForMaskedOnlyPreTraining, parameter_groups
         from run_trainer import load_config, optimizer_factory
@@ -177,7 +176,7 @@ class Checkpointer:
 class MetricsFile:
     """One CSV row per step; appends across restarts (the header is written once)."""
 
-    FIELDS = ["step", "loss", "alive_peers", "samples", "samples_per_second", "time"]
+    FIELDS = ("step", "loss", "alive_peers", "samples", "samples_per_second", "time")
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

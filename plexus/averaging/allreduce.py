@@ -74,9 +74,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Sequence
 
 import torch
 
@@ -195,7 +194,7 @@ class AllReduceRunner:
         tensors: Sequence[torch.Tensor],
         ordered_peer_ids: Sequence[PeerID],
         peer_fractions: Sequence[float],
-        modes: Optional[Sequence[AveragingMode]] = None,
+        modes: Sequence[AveragingMode] | None = None,
         weight: float = 1.0,
         compression: CompressionBase = NoCompression(),
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
@@ -205,9 +204,9 @@ class AllReduceRunner:
         *,
         averaging_alpha: float = 1.0,
         reject_nonfinite: bool = True,
-        tensor_infos: Optional[Sequence[CompressionInfo]] = None,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
         window: int = DEFAULT_WINDOW,
-        outputs: Optional[Sequence[torch.Tensor]] = None,
+        outputs: Sequence[torch.Tensor] | None = None,
         robust: RobustAggregation | None = None,
         weight_limits: Mapping[PeerID, float] | None = None,
         max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
@@ -501,7 +500,7 @@ class AllReduceRunner:
             self._weight_given[j] = header.weight or 0.0
         self._answered[j].append(0.0 if header.kind == AnswerKind.KEEP else header.radius)
 
-    def _apply_answer(self, part: Part, header: AnswerHeader, chunks: Optional[list]) -> None:
+    def _apply_answer(self, part: Part, header: AnswerHeader, chunks: list | None) -> None:
         if header.kind == AnswerKind.KEEP:
             self.partition.keep(part)
             return

@@ -18,7 +18,6 @@ import enum
 import threading
 from collections.abc import Coroutine
 
-
 UNWIND_TIMEOUT = 10.0  # the longest a cancelled step's coroutine takes to end, in practice far less
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.optimize import linprog
@@ -45,7 +45,7 @@ _NEGLIGIBLE = 1e-7  # fractions below this are solver tolerance at work and beco
 
 
 def load_balance_peers(
-    vector_size: int, bandwidths: Sequence[Optional[float]], min_size: int = 0
+    vector_size: int, bandwidths: Sequence[float | None], min_size: int = 0
 ) -> tuple[int, ...]:
     """Split `vector_size` elements among peers so that the slowest one finishes soonest.
 
@@ -80,7 +80,7 @@ def load_balance_peers(
     return apportion(vector_size, fractions)
 
 
-def _fill_missing(bandwidths: Sequence[Optional[float]]) -> np.ndarray:
+def _fill_missing(bandwidths: Sequence[float | None]) -> np.ndarray:
     if len(bandwidths) == 0:
         raise ValueError("cannot split a vector among zero peers")
     known = []

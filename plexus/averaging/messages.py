@@ -25,7 +25,6 @@ import enum
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -70,8 +69,8 @@ class PartHeader(Message):
     numel: int
     dtype: str
     compression: int
-    group_id: Optional[bytes] = None
-    weight: Optional[float] = None
+    group_id: bytes | None = None
+    weight: float | None = None
 
     def __post_init__(self) -> None:
         _check_tensor_fields(self.index, self.numel, self.dtype, self.compression)

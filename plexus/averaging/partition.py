@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -114,8 +114,8 @@ class TensorPartition:
         span_sizes: Sequence[int],
         compression: CompressionBase = NoCompression(),
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
-        tensor_infos: Optional[Sequence[CompressionInfo]] = None,
-        outputs: Optional[Sequence[torch.Tensor]] = None,
+        tensor_infos: Sequence[CompressionInfo] | None = None,
+        outputs: Sequence[torch.Tensor] | None = None,
     ):
         if not isinstance(part_size_bytes, int) or part_size_bytes <= 0:
             raise ValueError(f"part_size_bytes must be a positive int, got {part_size_bytes!r}")

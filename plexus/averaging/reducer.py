@@ -404,8 +404,7 @@ class SpanReducer:
                 await self._wait_until(
                     lambda: (
                         sender not in self.core.live
-                        or self.core.allowed(sender)
-                        and len(channel.answers) < self.round.window
+                        or (self.core.allowed(sender) and len(channel.answers) < self.round.window)
                     )
                 )
                 if sender not in self.core.live:

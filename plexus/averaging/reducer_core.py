@@ -33,7 +33,7 @@ driver's: timeouts, garbage, broken streams).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
 class ReducerCore:
@@ -143,7 +143,7 @@ class ReducerCore:
             return (s for s in self.live if s not in self.opened)
         return (s for s in self.live if s not in self.exempt and self.allowed(s))
 
-    def next_deadline(self) -> Optional[float]:
+    def next_deadline(self) -> float | None:
         return min((self._since[s] + self.sender_timeout for s in self._owing()), default=None)
 
     def expired(self, now: float) -> list[int]:

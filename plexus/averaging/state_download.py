@@ -549,7 +549,7 @@ async def load_state_from_peers(
     attempts = 0
     try:
         async with asyncio.timeout_at(download.deadline):
-            for attempts in range(1, max_attempts + 1):
+            for attempts in range(1, max_attempts + 1):  # noqa: B007 (read after the loop)
                 # not filtered by min_priority: a declaration may lag a step behind the donor's state,
                 # so the priority its manifest states is what counts (see `_Download.attempt`)
                 donors = await find_donors(dht_node, prefix, exclude=host.peer_id, rng=download.rng)

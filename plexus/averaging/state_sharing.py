@@ -39,7 +39,7 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, ClassVar
 
 import torch
 
@@ -147,7 +147,7 @@ def _serialize_snapshot(
 class _StateService:
     """The one `STATE_PROTOCOL` handler of a host, dispatching requests to sharers by prefix."""
 
-    _by_host: weakref.WeakKeyDictionary[Host, _StateService] = weakref.WeakKeyDictionary()
+    _by_host: ClassVar[weakref.WeakKeyDictionary[Host, _StateService]] = weakref.WeakKeyDictionary()
 
     def __init__(self, host: Host):
         self.host = host
@@ -224,7 +224,7 @@ class StateSharing:
         prefix: str,
         get_current_state: Callable[[], tuple],
         *,
-        state_lock: ContextManager | None = None,
+        state_lock: contextlib.AbstractContextManager | None = None,
         state_compression: CompressionBase = NoCompression(),
         declare_period: float = 30.0,
         priority: float = 0.0,

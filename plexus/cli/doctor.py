@@ -115,7 +115,7 @@ def _check_nat(report: dict, observed: Multiaddr | None, host: Host) -> None:
         report["nat"] = "unknown (the peer did not say where it sees us)"
         return
     try:
-        ip, port, family = parse_host_port(observed)
+        ip, _port, family = parse_host_port(observed)
     except MultiaddrError:
         report["nat"] = f"unknown (observed address {observed} is not TCP)"
         return

@@ -10,7 +10,8 @@ import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable
-from typing import Any, ContextManager, TypeVar
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -49,7 +50,7 @@ async def amap_in_executor(
 
 
 @contextlib.asynccontextmanager
-async def enter_asynchronously(context: ContextManager) -> AsyncIterator[Any]:
+async def enter_asynchronously(context: AbstractContextManager) -> AsyncIterator[Any]:
     """`async with enter_asynchronously(lock):` enters a blocking context manager (a threading or
     multiprocessing lock) without blocking the event loop. Each entry waits in a thread of its own,
     so waiters never starve one another of executor threads; a waiter cancelled before it got in

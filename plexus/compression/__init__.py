@@ -27,8 +27,8 @@ from .wire import (
 )
 
 __all__ = [
-    "AdaptiveCompressionBase",
     "BASE_COMPRESSION_TYPES",
+    "AdaptiveCompressionBase",
     "BlockwiseQuantization",
     "CompressionBase",
     "CompressionError",

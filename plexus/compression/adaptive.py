@@ -7,7 +7,7 @@ encoded it, so the receiver decodes with `deserialize_torch_tensor` and needs no
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -58,10 +58,10 @@ class RoleAdaptiveCompression(AdaptiveCompressionBase):
     def __init__(
         self,
         *,
-        activation: Optional[CompressionBase] = None,
-        parameter: Optional[CompressionBase] = None,
-        gradient: Optional[CompressionBase] = None,
-        optimizer: Optional[CompressionBase] = None,
+        activation: CompressionBase | None = None,
+        parameter: CompressionBase | None = None,
+        gradient: CompressionBase | None = None,
+        optimizer: CompressionBase | None = None,
         default: CompressionBase = NoCompression(),
     ):
         self.default = default
@@ -83,9 +83,7 @@ class RoleAdaptiveCompression(AdaptiveCompressionBase):
 class PerTensorCompression(AdaptiveCompressionBase):
     """A method per tensor key: a sequence indexed by position, or a mapping by name."""
 
-    def __init__(
-        self, tensor_compressions: Union[Sequence[CompressionBase], Mapping[object, CompressionBase]]
-    ):
+    def __init__(self, tensor_compressions: Sequence[CompressionBase] | Mapping[object, CompressionBase]):
         self.tensor_compressions = tensor_compressions
 
     def choose_compression(self, info: CompressionInfo) -> CompressionBase:

@@ -16,7 +16,7 @@ import enum
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,14 +39,14 @@ class TensorDescriptor:
     """Shape and type of a tensor, without its data."""
 
     size: tuple[int, ...]
-    dtype: Optional[torch.dtype] = None
+    dtype: torch.dtype | None = None
     layout: torch.layout = torch.strided
-    device: Optional[torch.device] = None
+    device: torch.device | None = None
     requires_grad: bool = False
     pin_memory: bool = False
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> "TensorDescriptor":
+    def from_tensor(cls, tensor: torch.Tensor) -> TensorDescriptor:
         return cls(tuple(tensor.shape), tensor.dtype, tensor.layout, tensor.device, tensor.requires_grad)
 
     @property
@@ -72,19 +72,19 @@ class CompressionInfo:
     descriptor: TensorDescriptor
     role: TensorRole = TensorRole.UNSPECIFIED
     part_index: int = 0
-    part_size: Optional[int] = None
+    part_size: int | None = None
 
     @classmethod
     def from_tensor(
         cls,
         tensor: torch.Tensor,
         key: Any = None,
-        descriptor: Optional[TensorDescriptor] = None,
+        descriptor: TensorDescriptor | None = None,
         role: TensorRole = TensorRole.UNSPECIFIED,
-    ) -> "CompressionInfo":
+    ) -> CompressionInfo:
         return cls(key, descriptor or TensorDescriptor.from_tensor(tensor), role)
 
-    def get_part(self, part_index: int, part_size: Optional[int]) -> "CompressionInfo":
+    def get_part(self, part_index: int, part_size: int | None) -> CompressionInfo:
         """The same tensor's info for one part of it (the all-reduce compresses parts)."""
         return CompressionInfo(self.key, self.descriptor, self.role, part_index, part_size)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).float()
 
 
-def _finite_mask(x: torch.Tensor) -> Optional[torch.Tensor]:
+def _finite_mask(x: torch.Tensor) -> torch.Tensor | None:
     """None when every value is finite (the common case, one reduction), else the finite mask."""
     finite = torch.isfinite(x)
     return None if bool(finite.all()) else finite
@@ -189,7 +189,7 @@ def make_codebook(kind: str, levels: int) -> torch.Tensor:
     raise ValueError(f"unknown codebook {kind!r}: use 'dynamic' or 'linear'")
 
 
-_BITSANDBYTES: Optional[object] = None
+_BITSANDBYTES: object | None = None
 _BITSANDBYTES_TRIED = False
 
 
@@ -220,7 +220,7 @@ class BlockwiseQuantization(CompressionBase):
     compression_type = CompressionType.BLOCKWISE_8BIT
 
     def __init__(
-        self, codebook: Literal["dynamic", "linear"] = "dynamic", use_bitsandbytes: Optional[bool] = None
+        self, codebook: Literal["dynamic", "linear"] = "dynamic", use_bitsandbytes: bool | None = None
     ):
         make_codebook(codebook, 3)  # validate the name now, not at the first tensor
         self.codebook, self.use_bitsandbytes = codebook, use_bitsandbytes
@@ -264,7 +264,7 @@ class BlockwiseQuantization(CompressionBase):
             _set_special_entries(full)
         return _serialize(tensor, self.compression_type, full, absmax, codes)
 
-    def _compress_bitsandbytes(self, tensor: torch.Tensor, x: torch.Tensor) -> Optional[SerializedTensor]:
+    def _compress_bitsandbytes(self, tensor: torch.Tensor, x: torch.Tensor) -> SerializedTensor | None:
         try:
             codes, state = _bitsandbytes().quantize_blockwise(x.float().contiguous(), blocksize=BLOCK_SIZE)
             absmax, code = (state.absmax, state.code) if hasattr(state, "absmax") else state

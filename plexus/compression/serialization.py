@@ -6,7 +6,7 @@ whatever any peer sent, whichever wrapper chose the method on its side.
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterable, Optional
+from collections.abc import AsyncIterator, Iterable
 
 import torch
 
@@ -29,7 +29,7 @@ _BY_CODE = {CompressionType[name]: method for name, method in BASE_COMPRESSION_T
 def serialize_torch_tensor(
     tensor: torch.Tensor,
     compression_type: CompressionType = CompressionType.NONE,
-    info: Optional[CompressionInfo] = None,
+    info: CompressionInfo | None = None,
     allow_inplace: bool = False,
 ) -> SerializedTensor:
     """Serialize `tensor` with one of the base methods (lossy ones apply to float tensors only)."""

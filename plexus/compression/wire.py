@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, Sequence
 
 import msgpack
 import torch
@@ -209,7 +209,7 @@ class SerializedTensor:
         return msgpack.packb([*fields, self.requires_grad, self.chunks], use_bin_type=True)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> "SerializedTensor":
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> SerializedTensor:
         """Unpack and validate a message from a peer; any malformed input raises CompressionError."""
         try:
             fields = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True)

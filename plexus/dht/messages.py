@@ -25,7 +25,7 @@ import msgpack
 
 from ..p2p.identity import IdentityError, PeerID
 from ..p2p.protocols.errors import RemoteProtocolError
-from .routing import ID_BYTES, DHTID
+from .routing import DHTID, ID_BYTES
 
 PROTOCOL_ID = "/plexus/dht/1.0.0"
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024

@@ -23,7 +23,8 @@ node and ends at `shutdown()`.
 import asyncio
 import logging
 import random
-from typing import Any, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
 
 from ..p2p.identity import PeerID
 from ..utils.timing import MAX_DHT_TIME_DISCREPANCY_SECONDS, DHTExpiration, get_dht_time

@@ -64,7 +64,7 @@ class HandOver:
 
 
 Action = PingToEvict | HandOver
-__all__ = ["Action", "DHTProtocol", "HandOver", "PLAIN_VALUE_SUBKEY", "PingToEvict", "make_record"]
+__all__ = ["PLAIN_VALUE_SUBKEY", "Action", "DHTProtocol", "HandOver", "PingToEvict", "make_record"]
 
 
 class DHTProtocol:

@@ -24,7 +24,8 @@ import collections
 import hashlib
 import heapq
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..p2p.identity import PeerID
 from ..utils.serializer import MSGPackSerializer

@@ -238,7 +238,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
             and current.value.has_owned_entries(now)
         ):
             return self._refuse(sender, "signed entries", "a plain value cannot replace signed entries")
-        if current is not None and current.expiration_time >= expiration_time or expiration_time <= now:
+        if (current is not None and current.expiration_time >= expiration_time) or expiration_time <= now:
             return False
         if not self._admit(key, None, value, expiration_time, now, sender):
             return False

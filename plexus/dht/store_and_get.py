@@ -15,7 +15,8 @@ in `DHTNode.create`, and sends through `find_nearest_nodes`, `_traverse` and `_s
 """
 
 import asyncio
-from typing import Any, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 from ..p2p.identity import PeerID
 from ..utils.serializer import MSGPackSerializer

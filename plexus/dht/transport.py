@@ -6,7 +6,8 @@ it, so every DHT behaviour is testable without sockets. Messages cross it as byt
 carry no sender address.
 """
 
-from typing import Awaitable, Callable, Protocol, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from ..errors import PeerError
 from ..p2p.identity import PeerID

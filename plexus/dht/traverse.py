@@ -39,7 +39,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..p2p.identity import PeerID
 from .routing import DHTID
@@ -64,7 +64,7 @@ class TraversalRequest:
 
 
 class _QueryState:
-    __slots__ = ("query", "candidates", "asked", "beam", "in_flight", "straggling", "finished")
+    __slots__ = ("asked", "beam", "candidates", "finished", "in_flight", "query", "straggling")
 
     def __init__(self, query: DHTID):
         self.query = query

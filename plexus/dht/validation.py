@@ -13,7 +13,7 @@ so that adding, say, a second schema extends the first instead of requiring both
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Iterable
+from collections.abc import Iterable
 
 
 @dataclasses.dataclass(frozen=True)

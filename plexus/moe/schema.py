@@ -72,7 +72,7 @@ class BatchTensorDescriptor(Message):
     @classmethod
     def from_tensor(
         cls, tensor: torch.Tensor, compression: int = CompressionType.NONE, requires_grad: bool | None = None
-    ) -> "BatchTensorDescriptor":
+    ) -> BatchTensorDescriptor:
         """Describe a sample batch; floating tensors require grad unless told otherwise, and only
         they are compressed."""
         if tensor.dim() == 0:

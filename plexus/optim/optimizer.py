@@ -346,7 +346,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-            if isinstance(loss, (int, float)) or isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            if isinstance(loss, (int, float)) or (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 self._losses.append(float(loss))
         self._log_finished_state_rounds()
 

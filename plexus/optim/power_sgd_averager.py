@@ -183,7 +183,7 @@ class PowerSGDGradientAverager(GradientAverager):
     def _adopt_state(self, state):
         if state is None:
             return None
-        metadata, tensors = state
+        _metadata, tensors = state
         if [tuple(t.shape) for t in tensors] != [tuple(q.shape) for q in self._qs]:
             logger.warning(
                 f"{self.prefix}: a peer's PowerSGD state has shapes "

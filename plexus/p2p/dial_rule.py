@@ -65,7 +65,7 @@ def dialable(host, peer: PeerID, raw_addrs: Iterable[bytes]) -> tuple[list[Multi
     for raw in raw_addrs:
         try:
             addr = Multiaddr.from_bytes(raw)
-            ip, port, family = parse_host_port(addr)
+            ip, port, _family = parse_host_port(addr)
         except MultiaddrError:
             refused.append(f"{raw[:32].hex()}…: not a TCP address")
             continue

@@ -154,7 +154,7 @@ class PrivateKey:
 class PeerID:
     """A libp2p peer id: the multihash of a peer's public key. Compared and hashed by its bytes."""
 
-    __slots__ = ("_bytes", "_b58")
+    __slots__ = ("_b58", "_bytes")
 
     def __init__(self, multihash: bytes):
         multihash = bytes(multihash)

@@ -28,8 +28,8 @@ absolute paths are supported: a relative path has no unambiguous text form in go
 import ipaddress
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 from urllib.parse import quote, unquote_to_bytes
 
 from .identity import IdentityError, PeerID
@@ -324,7 +324,7 @@ class Multiaddr:
     Equality and hashing use the binary form; str() gives the canonical text form.
     """
 
-    __slots__ = ("_parts", "_bytes")
+    __slots__ = ("_bytes", "_parts")
 
     def __init__(self, addr: "str | bytes | bytearray | memoryview | Multiaddr"):
         if isinstance(addr, Multiaddr):

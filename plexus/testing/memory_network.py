@@ -13,7 +13,7 @@ routing table's per-network bounds can be tested without sockets.
 """
 
 import asyncio
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from ..dht.messages import DHTRPCError
 from ..p2p.identity import PeerID, PrivateKey

@@ -19,7 +19,7 @@ _ROOT = "plexus"
 
 
 class _Formatter(logging.Formatter):
-    def formatTime(self, record, datefmt=None):  # noqa: N802 (logging's API name)
+    def formatTime(self, record, datefmt=None):
         return self.converter(record.created) and (
             logging.Formatter.formatTime(self, record, "%b %d %H:%M:%S") + f".{int(record.msecs):03d}"
         )

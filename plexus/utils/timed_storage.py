@@ -12,7 +12,8 @@ subclass can keep its own bookkeeping of what is held.
 
 import heapq
 import itertools
-from typing import Generic, Hashable, Iterator, NamedTuple, TypeVar
+from collections.abc import Hashable, Iterator
+from typing import Generic, NamedTuple, TypeVar
 
 from .timing import get_dht_time
 

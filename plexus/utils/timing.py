@@ -7,7 +7,7 @@ ping and warn on skew. Tests replace the clock with `use_clock` to move time wit
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 DHTExpiration = float
 MAX_DHT_TIME_DISCREPANCY_SECONDS = 3.0  # peers whose clocks differ by more get a warning on ping

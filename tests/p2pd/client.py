@@ -19,8 +19,8 @@ import contextlib
 import ipaddress
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import base58
 
@@ -171,7 +171,7 @@ class StreamInfo:
     protocol: str
 
     @classmethod
-    def decode(cls, data: bytes) -> "StreamInfo":
+    def decode(cls, data: bytes) -> StreamInfo:
         fields = pb.decode(STREAM_INFO, data)
         peer_id = PeerID(fields.get("peer", b""))
         return cls(peer_id, decode_multiaddr(fields.get("addr", b"")), fields.get("proto", ""))

@@ -87,7 +87,7 @@ class Daemon:
             self.args += [f"-bootstrapPeers={','.join(bootstrap_peers)}", "-b"]
         self.args += list(extra_args)
 
-    async def start(self, timeout: float = 15.0) -> "Daemon":
+    async def start(self, timeout: float = 15.0) -> Daemon:
         """Start the process and return once IDENTIFY confirms our identity and listen addresses."""
         self._log = open(self.dir / "daemon.log", "wb")
         self.process = subprocess.Popen(

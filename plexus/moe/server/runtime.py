@@ -60,7 +60,7 @@ class TaskRejected(ValueError):
 
 
 class Task:
-    __slots__ = ("inputs", "size", "future", "loop", "arrived", "owner")
+    __slots__ = ("arrived", "future", "inputs", "loop", "owner", "size")
 
     def __init__(
         self,
@@ -245,7 +245,7 @@ class Runtime:
         self._served: dict[Hashable, float] = {}
 
     @classmethod
-    def from_backends(cls, module_backends: dict, **kwargs) -> "Runtime":
+    def from_backends(cls, module_backends: dict, **kwargs) -> Runtime:
         return cls([pool for backend in module_backends.values() for pool in backend.get_pools()], **kwargs)
 
     def start(self) -> None:

@@ -185,7 +185,7 @@ class Server:
             await asyncio.gather(self._periodic, return_exceptions=True)
             self._periodic = None
 
-    def __enter__(self) -> "Server":
+    def __enter__(self) -> Server:
         self.start()
         return self
 
@@ -270,7 +270,7 @@ class Server:
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         max_requests_per_peer: int = DEFAULT_MAX_REQUESTS_PER_PEER,
         **dht_kwargs,
-    ) -> "Server":
+    ) -> Server:
         """Build a server of `expert_cls` experts (hivemind's arguments).
 
         Network: with neither `dht` nor `host` given, the server starts a DHT of its own

@@ -5,8 +5,8 @@ public key, listen addresses, supported protocols and the address we observed th
 accept (and ignore) signed peer records. Addresses travel in binary multiaddr form.
 """
 
-from .errors import RemoteProtocolError
 from . import pb
+from .errors import RemoteProtocolError
 
 IDENTIFY_PROTOCOL = "/ipfs/id/1.0.0"
 IDENTIFY_PUSH_PROTOCOL = "/ipfs/id/push/1.0.0"

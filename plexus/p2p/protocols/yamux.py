@@ -151,15 +151,15 @@ class GoAwayReceived:
 
 class _Stream:
     __slots__ = (
-        "stream_id",
-        "send_credit",
+        "epoch_start",
+        "local_closed",
+        "read_pending",
         "recv_credit",
         "recv_window",
-        "unread",
-        "read_pending",
-        "local_closed",
         "remote_closed",
-        "epoch_start",
+        "send_credit",
+        "stream_id",
+        "unread",
     )
 
     def __init__(self, stream_id: int, recv_window: int):

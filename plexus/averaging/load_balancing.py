@@ -33,7 +33,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy.optimize import linprog
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +110,9 @@ def optimal_fractions(speeds: np.ndarray) -> np.ndarray:
         fractions = np.zeros(n)
         fractions[reducers[0]] = 1.0
         return fractions
+    # imported here: scipy.optimize takes ~0.4 s, paid when a group first forms, not by `import plexus`
+    from scipy.optimize import linprog
+
     b = speeds / speeds.max()  # the LP is scale-free; keep its numbers near 1
     bounds = [(0.0, None) if speed > 0 else (0.0, 0.0) for speed in b] + [(0.0, None)]
     a_eq, b_eq = np.append(np.ones(n), 0.0)[None, :], [1.0]

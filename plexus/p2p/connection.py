@@ -11,7 +11,7 @@ multistream and Noise cores. Once yamux is agreed, every read goes through the f
 plaintext is fed to the yamux core, and its events are dispatched to Stream objects. Writes go
 the other way: the yamux core queues headers and memoryviews of the caller's data, `_flush` packs
 them into Noise messages of the maximum size, encrypts them into a reusable output buffer and hands
-a few messages at a time to the socket (see ../../shared notes: transport-performance.md).
+a few messages at a time to the socket (`benchmarks/transport.py` measures the effect).
 
 Copies. Received payload is copied once, when a reader takes it from its stream: each batch of
 Noise messages is decrypted into a plaintext buffer from a small pool shared by the host's

@@ -12,7 +12,7 @@ dialer of the connection) opens odd stream ids, the server even ones.
 Stream life. A stream appears with a SYN flag and is acknowledged with ACK. We send both at once,
 on a WINDOW_UPDATE that also grows the receive window from the spec's 256 KiB to
 `initial_receive_window` (go-libp2p does the same; a 256 KiB window caps throughput at a fraction of
-the link, see shared/notes/transport-performance.md). Each direction is then OPEN until a FIN
+the link: `benchmarks/transport.py` measures it). Each direction is then OPEN until a FIN
 (half-close) in that direction; a stream closed in both directions, or reset (RST) by either side,
 is forgotten at once, so nothing leaks. Frames for forgotten streams are dropped (the peer may
 still have had data in flight), their payload skipped within the usual size bound.

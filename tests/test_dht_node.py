@@ -241,7 +241,7 @@ def test_lookups_stop_waiting_for_silent_peers_long_before_the_request_timeout()
 
     async def main():
         network = MemoryNetwork(latency=0.002)
-        nodes = await make_swarm(network, 30, wait_timeout=5.0)
+        nodes = await make_swarm(network, 30, wait_timeout=600.0)
         key_id = DHTID.generate("k")
         assert await nodes[0].store("k", "v", get_dht_time() + 60)
         holders = {node.peer_id for node in nodes if node.storage.get(key_id, get_dht_time())}
@@ -251,13 +251,12 @@ def test_lookups_stop_waiting_for_silent_peers_long_before_the_request_timeout()
             network.make_unresponsive(node.peer_id)
         reader = nodes[1]
         assert reader.latency.straggler_timeout() < 1.0  # learnt from the answers so far
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         # A beam of 10: a beam that cannot fill keeps waiting for its stragglers, by design (they may be
         # all it has left), and in ~3% of these random 30-node swarms the reader learns of only ~19 live
         # peers, short of the default 20.
-        assert (await reader.get("k", latest=True, beam_size=10)).value == "v"
-        assert loop.time() - started < 2.5, "the lookup waited for the silent peers' full timeout"
+        # The silent peers' full timeout is 600 s: a lookup that waited for it would not end in time.
+        async with asyncio.timeout(60):
+            assert (await reader.get("k", latest=True, beam_size=10)).value == "v"
         await shutdown(nodes)
 
     run(main())

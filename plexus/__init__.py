@@ -4,7 +4,10 @@ The public names mirror hivemind's, so `import plexus as hivemind` runs hivemind
 """
 
 from .averaging.aggregation import RobustAggregation
-from .averaging.averager import DecentralizedAverager
+from .averaging.allreduce import AllReduceError
+from .averaging.averager import AveragingError, DecentralizedAverager, LeftOutError, NoPeersError
+from .averaging.matchmaking_state import MatchmakingStateError
+from .averaging.state_download import StateDownloadError, StateDownloadTimeout
 from .compression import (
     BlockwiseQuantization,
     CompressionBase,
@@ -21,7 +24,9 @@ from .compression import (
     deserialize_torch_tensor,
     serialize_torch_tensor,
 )
+from .compression.wire import CompressionError
 from .dht.dht import DHT
+from .dht.transport import DHTBootstrapError
 from .errors import PeerError, PeerMisbehaved, PhaseTimeout, PlexusError, UsageError
 from .moe import (
     ModuleBackend,
@@ -34,6 +39,7 @@ from .moe import (
     get_experts,
     register_expert_class,
 )
+from .moe.client.expert import RemoteExpertError
 from .optim import (
     GradientAverager,
     GradScaler,
@@ -43,21 +49,38 @@ from .optim import (
     TrainingAverager,
     TrainingStateAverager,
 )
-from .p2p.identity import PeerID
+from .optim.state_averager import StateLoadError
+from .p2p.auth import AuthorizationError
+from .p2p.host import DialError
+from .p2p.identity import IdentityError, PeerID
+from .p2p.multiaddr import MultiaddrError
+from .p2p.pnet import SwarmKeyError
+from .p2p.rpc import RPCError
 from .utils.timing import get_dht_time
 from .version import __version__
 
 __all__ = [
     "DHT",
+    "AllReduceError",
+    "AuthorizationError",
+    "AveragingError",
     "BlockwiseQuantization",
     "CompressionBase",
+    "CompressionError",
     "CompressionInfo",
+    "DHTBootstrapError",
     "DecentralizedAverager",
+    "DialError",
     "Float16Compression",
     "GradScaler",
     "GradientAverager",
+    "IdentityError",
+    "LeftOutError",
+    "MatchmakingStateError",
     "ModuleBackend",
+    "MultiaddrError",
     "NoCompression",
+    "NoPeersError",
     "Optimizer",
     "PeerError",
     "PeerID",
@@ -68,7 +91,9 @@ __all__ = [
     "PowerSGDGradientAverager",
     "ProgressTracker",
     "Quantile8BitQuantization",
+    "RPCError",
     "RemoteExpert",
+    "RemoteExpertError",
     "RemoteMixtureOfExperts",
     "RemoteSwitchMixtureOfExperts",
     "RobustAggregation",
@@ -76,6 +101,10 @@ __all__ = [
     "ScaledFloat16Compression",
     "Server",
     "SizeAdaptiveCompression",
+    "StateDownloadError",
+    "StateDownloadTimeout",
+    "StateLoadError",
+    "SwarmKeyError",
     "TensorRole",
     "TrainingAverager",
     "TrainingStateAverager",

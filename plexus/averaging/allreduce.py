@@ -82,6 +82,7 @@ import torch
 from ..compression import CompressionBase, CompressionInfo, CompressionType, NoCompression
 from ..compression.base import tensor_bytes_view
 from ..compression.wire import dtype_name
+from ..errors import PeerError
 from ..p2p import rpc
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
@@ -121,7 +122,7 @@ class AveragingMode(enum.Enum):
     AUX = 2  # reduces only: weight 0, sends nothing, receives nothing
 
 
-class AllReduceError(Exception):
+class AllReduceError(PeerError):
     """The all-reduce could not run as configured (the caller's fault; the message says what)."""
 
 

@@ -36,6 +36,7 @@ import torch
 
 from ..compression import CompressionBase, CompressionInfo, NoCompression
 from ..dht.dht import DHT
+from ..errors import PlexusError
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
 from ..utils.logging import get_logger
@@ -55,7 +56,7 @@ DEFAULT_STEP_TIMEOUT = 60.0
 _routers: "weakref.WeakKeyDictionary[Host, AllReduceRouter]" = weakref.WeakKeyDictionary()
 
 
-class AveragingError(Exception):
+class AveragingError(PlexusError):
     """An averaging step failed (no group in time, or the round broke); the message says which."""
 
 

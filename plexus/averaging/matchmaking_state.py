@@ -37,6 +37,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..errors import PeerMisbehaved, PlexusError
 from ..p2p.identity import PeerID
 from .group_info import GroupInfo
 from .matchmaking_messages import MAX_GROUP_SIZE, JoinCode, JoinRequest, JoinResponse
@@ -51,11 +52,11 @@ class Phase(enum.Enum):
     ASSEMBLED = "assembled"
 
 
-class MatchmakingStateError(RuntimeError):
+class MatchmakingStateError(PlexusError, RuntimeError):
     """Our own driver called the state machine in a phase where that makes no sense (a bug here)."""
 
 
-class LeaderProtocolError(ValueError):
+class LeaderProtocolError(PeerMisbehaved, ValueError):
     """The leader sent an answer that cannot be right (e.g. a group without us); drop that leader."""
 
 

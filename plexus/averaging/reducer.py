@@ -25,6 +25,7 @@ import torch
 from ..compression import CompressionError, CompressionType
 from ..compression.base import tensor_bytes_view
 from ..compression.wire import dtype_name
+from ..errors import PeerMisbehaved
 from ..p2p import rpc
 from ..p2p.messages import MessageError
 from ..utils.logging import RateLimitedLog, get_logger
@@ -57,7 +58,7 @@ def log_peer_fault(peer: PeerID, what: str, message: str) -> None:
     _faults.warning((re.sub(r"\d[\d.e+-]*", "#", what), peer), message)
 
 
-class SenderExcluded(Exception):
+class SenderExcluded(PeerMisbehaved):
     """A reducer excluded a sender from the rest of the round; the text says why (sent to it)."""
 
 

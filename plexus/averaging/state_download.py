@@ -36,6 +36,7 @@ import torch
 
 from ..compression import CompressionError, SerializedTensor, deserialize_torch_tensor
 from ..dht.node import DHTNode
+from ..errors import PeerError, PhaseTimeout
 from ..p2p import rpc
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
@@ -66,7 +67,7 @@ DEFAULT_DOWNLOAD_TIMEOUT = 600.0
 BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.05, 2.0
 
 
-class StateDownloadError(RuntimeError):
+class StateDownloadError(PeerError, RuntimeError):
     """Donors existed but none delivered the state; `failures` maps each donor tried to why."""
 
     def __init__(self, message: str, failures: dict[PeerID, str]):
@@ -74,7 +75,7 @@ class StateDownloadError(RuntimeError):
         self.failures = failures
 
 
-class StateDownloadTimeout(StateDownloadError, TimeoutError):
+class StateDownloadTimeout(StateDownloadError, PhaseTimeout):
     """The deadline passed before the state was complete."""
 
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass, replace
 import msgpack
 import torch
 
+from ..errors import PlexusError
+
 MAX_NDIM = 32  # torch itself allows 64; no real parameter comes near either
 MAX_DIM = 2**48  # per-dimension bound; the buffer-length rule bounds the product of non-empty tensors
 MAX_SPAN = 2**48  # bound on the product of dims counted as at least 1 (the strides of empty tensors)
@@ -49,7 +51,7 @@ BLOCK_SIZE = 4096  # elements per block of BLOCKWISE_8BIT; fixed so the layout i
 DEFAULT_CHUNK_SIZE_BYTES = 2**16
 
 
-class CompressionError(ValueError):
+class CompressionError(PlexusError, ValueError):
     """A serialized tensor is malformed, truncated or inconsistent (the sender's fault), or a
     tensor cannot be serialized as asked (the caller's fault); the message says which."""
 

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from ..errors import PeerError
 from ..p2p.identity import IdentityError, PeerID
 from ..p2p.protocols.errors import RemoteProtocolError
 from .routing import DHTID, ID_BYTES
@@ -43,7 +44,7 @@ class DHTProtocolError(RemoteProtocolError):
     """A peer sent a DHT message that is malformed, oversized or of the wrong kind."""
 
 
-class DHTRPCError(Exception):
+class DHTRPCError(PeerError):
     """A DHT call failed on the remote side: it answered with an error (or the transport reports one)."""
 
 

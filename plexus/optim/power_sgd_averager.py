@@ -54,6 +54,7 @@ from ..averaging.averager import _routers
 from ..averaging.load_balancing import load_balance_peers
 from ..compression import CompressionInfo, TensorRole
 from ..dht.dht import DHT
+from ..errors import PeerError
 from ..p2p.identity import PeerID
 from ..utils.logging import get_logger
 from ..utils.serializer import MSGPackSerializer
@@ -62,7 +63,7 @@ from .grad_averager import GradientAverager
 logger = get_logger(__name__)
 
 
-class PowerSGDPhaseError(ConnectionError):
+class PowerSGDPhaseError(PeerError, ConnectionError):
     """A PowerSGD phase did not average every span; this peer keeps its local gradients this round."""
 
 

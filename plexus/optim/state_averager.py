@@ -78,6 +78,7 @@ from ..averaging.control import StepControl
 from ..averaging.state_download import StateDownloadError
 from ..compression import CompressionInfo, TensorRole
 from ..compression.base import contiguous_cpu, tensor_bytes_view
+from ..errors import PlexusError
 from ..utils.logging import get_logger
 from ..utils.performance_ema import PerformanceEMA
 from ..utils.serializer import MSGPackSerializer, SerializationError
@@ -94,7 +95,7 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
-class StateLoadError(RuntimeError):
+class StateLoadError(PlexusError, RuntimeError):
     """Peers shared state, but none of the bounded attempts produced a usable one."""
 
 

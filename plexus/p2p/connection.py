@@ -44,6 +44,7 @@ import mmap
 import sys
 import time
 
+from ..errors import PeerError
 from ..utils.logging import get_logger
 from .buffer_pool import BufferPool, DecryptBuffers
 from .identity import PeerID, PrivateKey
@@ -78,7 +79,7 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
-class ConnectionClosedError(ConnectionError):
+class ConnectionClosedError(PeerError, ConnectionError):
     """The connection is closed (its streams are reset)."""
 
 

@@ -27,6 +27,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
+from ..errors import PeerError
 from ..utils.logging import RateLimitedLog, get_logger
 from .auth import AUTH_PROTOCOL, AuthGate, AuthorizerBase
 from .connection import Connection, host_decrypt_buffers
@@ -51,7 +52,7 @@ __all__ = ["AGENT_VERSION", "PING_PROTOCOL", "PING_SIZE", "DialError", "Host", "
 StreamHandler = Callable[[Stream], Awaitable[None]]
 
 
-class DialError(ConnectionError):
+class DialError(PeerError, ConnectionError):
     """Could not reach a peer; the message lists each address tried and why it failed."""
 
 

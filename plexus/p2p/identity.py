@@ -17,6 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
+from ..errors import PlexusError
 from .protocols import pb
 from .protocols.varint import encode_uvarint
 
@@ -27,7 +28,7 @@ MAX_INLINE_KEY_LENGTH = 42
 LIBP2P_KEY_CODEC = 0x72
 
 
-class IdentityError(ValueError):
+class IdentityError(PlexusError, ValueError):
     """A key or peer id is malformed or of an unsupported kind."""
 
 

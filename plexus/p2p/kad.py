@@ -16,6 +16,7 @@ TXT lookup, which is left out: they are skipped, and the literal IP entries are 
 
 import asyncio
 
+from ..errors import PeerError
 from ..utils.logging import get_logger
 from .host import DialError, Host
 from .identity import PeerID
@@ -40,7 +41,7 @@ MAX_REQUESTS_PER_STREAM = 64
 MAX_CONCURRENT_STREAMS = 64
 
 
-class KademliaError(ConnectionError):
+class KademliaError(PeerError, ConnectionError):
     """The Kademlia DHT could not be joined or did not find a peer; the message says what was tried."""
 
 

@@ -21,10 +21,12 @@ from functools import cache, partial
 
 import msgpack
 
+from ..errors import PeerMisbehaved
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-class MessageError(ValueError):
+class MessageError(PeerMisbehaved, ValueError):
     """The bytes are not a valid message of the expected type."""
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, unquote_to_bytes
 
+from ..errors import PlexusError
 from .identity import IdentityError, PeerID
 from .protocols.varint import NeedMoreData, VarintError, decode_uvarint, encode_uvarint
 
@@ -43,7 +44,7 @@ VARIABLE = -1  # size marker: the value is length-prefixed
 _PORT_TEXT = re.compile(r"[0-9]{1,10}")
 
 
-class MultiaddrError(ValueError):
+class MultiaddrError(PlexusError, ValueError):
     """A multiaddr (text or binary) is malformed, or an operation on one makes no sense."""
 
 

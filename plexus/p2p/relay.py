@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import PeerError
 from ..utils.logging import get_logger
 from .connection import Connection
 from .host import DialError, Host
@@ -41,7 +42,7 @@ MESSAGE_TIMEOUT = 10.0
 MAX_ADVERTISED_PER_RELAY = 4
 
 
-class RelayError(ConnectionError):
+class RelayError(PeerError, ConnectionError):
     """A relay refused or failed a reservation or a circuit; `status` is the relay's code."""
 
     def __init__(self, message: str, status: Status | None = None):

@@ -25,6 +25,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ..errors import PeerError, PeerMisbehaved
 from ..utils.logging import get_logger
 from .host import Host
 from .identity import PeerID
@@ -42,15 +43,16 @@ MAX_ERROR_SIZE = 64 << 10
 SMALL_FRAME = 64 << 10
 
 
-class RPCError(Exception):
+class RPCError(PeerError):
     """The remote handler failed; the message is the handler's own error text."""
 
     def __init__(self, message: str, peer: PeerID | None = None, protocol: str | None = None):
-        super().__init__(message)
-        self.peer, self.protocol = peer, protocol
+        super().__init__(message, peer=peer, protocol=protocol)
+
+    __str__ = Exception.__str__  # the handler's own text, exactly as the remote side raised it
 
 
-class RPCProtocolError(Exception):
+class RPCProtocolError(PeerMisbehaved):
     """The other side broke the RPC framing (bad frame kind, oversized message, bad encoding)."""
 
 

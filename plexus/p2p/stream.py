@@ -14,11 +14,12 @@ import asyncio
 import itertools
 from collections import deque
 
+from ..errors import PeerError
 from .identity import PeerID
 from .protocols.varint import MAX_VARINT_BYTES, encode_uvarint
 
 
-class StreamError(ConnectionError):
+class StreamError(PeerError, ConnectionError):
     """Base of stream errors."""
 
 

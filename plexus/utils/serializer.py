@@ -15,12 +15,14 @@ from typing import Any
 
 import msgpack
 
+from ..errors import PeerMisbehaved
+
 TUPLE_EXT_CODE = 0x40
 MAX_SERIALIZED_SIZE = 16 * 1024 * 1024
 MAX_TUPLE_DEPTH = 32
 
 
-class SerializationError(ValueError):
+class SerializationError(PeerMisbehaved, ValueError):
     """Bytes that are not valid msgpack for us, or a value we cannot encode."""
 
 

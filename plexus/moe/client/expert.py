@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from ...compression import CompressionError
 from ...compression.wire import DTYPE_NAMES
+from ...errors import PeerError
 from ...p2p import rpc
 from ...p2p.host import Host
 from ...utils.background_loop import get_background_loop
@@ -52,7 +53,7 @@ DEFAULT_TIMEOUT = 60.0
 DUMMY = torch.empty(0, requires_grad=True)  # makes every call part of the autograd graph
 
 
-class RemoteExpertError(RuntimeError):
+class RemoteExpertError(PeerError, RuntimeError):
     """The server answered something that does not fit the expert's schema (the server's fault)."""
 
 

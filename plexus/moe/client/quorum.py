@@ -20,8 +20,10 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from ...errors import PhaseTimeout
 
-class TooFewExpertsError(TimeoutError):
+
+class TooFewExpertsError(PhaseTimeout):
     """Fewer experts answered than `k_min` (or `backward_k_min`) asks for.
 
     A TimeoutError subclass, as in hivemind; the message lists the failures. Usually some expert

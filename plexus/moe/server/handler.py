@@ -30,6 +30,7 @@ import torch
 
 from ...compression import CompressionError, SerializedTensor
 from ...compression.wire import DTYPE_NAMES
+from ...errors import PeerMisbehaved, PhaseTimeout
 from ...p2p import rpc
 from ...p2p.host import Host
 from ...p2p.identity import PeerID
@@ -71,11 +72,11 @@ PROTOCOLS = (
 )
 
 
-class ExpertRequestError(ValueError):
+class ExpertRequestError(PeerMisbehaved, ValueError):
     """The caller's request does not fit the expert (the caller's fault; the text says what to fix)."""
 
 
-class ExpertTimeoutError(TimeoutError):
+class ExpertTimeoutError(PhaseTimeout):
     """A request did not finish within the server's request_timeout (the server is busy or slow)."""
 
 

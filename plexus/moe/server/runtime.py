@@ -48,6 +48,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from ...errors import PeerError
 from ...utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -55,7 +56,7 @@ logger = get_logger(__name__)
 DEFAULT_MAX_PENDING_TASKS = 4096
 
 
-class TaskRejected(ValueError):
+class TaskRejected(PeerError, ValueError):
     """The request cannot be queued: too large a batch, or the pool is full or closed."""
 
 

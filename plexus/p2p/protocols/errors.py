@@ -7,8 +7,10 @@ everyone else. LocalProtocolError means our own code asked for something illegal
 After either, the core is in a terminal state and every later call fails fast.
 """
 
+from ...errors import PeerMisbehaved, PlexusError
 
-class ProtocolError(Exception):
+
+class ProtocolError(PlexusError):
     """Base of every protocol-core error."""
 
 
@@ -16,5 +18,5 @@ class LocalProtocolError(ProtocolError):
     """We tried to do something the protocol (or the core's state) does not allow."""
 
 
-class RemoteProtocolError(ProtocolError):
+class RemoteProtocolError(ProtocolError, PeerMisbehaved):
     """The peer sent something malformed, oversized or out of order."""

@@ -7,12 +7,13 @@ a dict from field name to (field number, kind), with kind one of "uint" (varint)
 Unknown fields are skipped, as protobuf requires; malformed input raises ProtobufError.
 """
 
+from ...errors import PeerMisbehaved
 from .varint import NeedMoreData, VarintError, decode_uvarint, encode_uvarint
 
 VARINT, FIXED64, LENGTH_DELIMITED, FIXED32 = 0, 1, 2, 5
 
 
-class ProtobufError(ValueError):
+class ProtobufError(PeerMisbehaved, ValueError):
     """The bytes are not a well-formed protobuf message of the expected shape."""
 
 

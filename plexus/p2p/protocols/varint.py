@@ -4,10 +4,12 @@ Decoding is bounded: at most 9 bytes (values below 2**63), per the multiformats 
 spec, so a peer cannot make us loop over an endless run of continuation bytes.
 """
 
+from ...errors import PeerMisbehaved
+
 MAX_VARINT_BYTES = 9
 
 
-class VarintError(ValueError):
+class VarintError(PeerMisbehaved, ValueError):
     """The bytes do not hold a valid unsigned varint."""
 
 

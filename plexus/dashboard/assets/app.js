@@ -20,6 +20,7 @@ function number(value, digits = 1) {
 
 function duration(seconds) {
   if (seconds === null || seconds === undefined) return "-";
+  if (seconds < 10) return `${seconds.toFixed(1)} s`;
   if (seconds < 60) return `${seconds.toFixed(0)} s`;
   if (seconds < 3600) return `${Math.floor(seconds / 60)} min ${Math.round(seconds % 60)} s`;
   return `${Math.floor(seconds / 3600)} h ${Math.round((seconds % 3600) / 60)} min`;
@@ -29,7 +30,7 @@ function setText(id, text) {
   document.getElementById(id).textContent = text;
 }
 
-function drawChart(svg, points, emptyText) {
+function drawChart(svg, points, emptyText, formatX) {
   while (svg.firstChild) svg.removeChild(svg.firstChild);
   const width = 600, height = 200, left = 48, bottom = 22, top = 8, right = 8;
   const add = (tag, attrs, text) => {
@@ -54,7 +55,8 @@ function drawChart(svg, points, emptyText) {
   add("path", { d: path, class: "series" });
   add("text", { x: left - 4, y: top + 10, "text-anchor": "end" }, number(yMax, 2));
   add("text", { x: left - 4, y: height - bottom, "text-anchor": "end" }, number(yMin, 2));
-  add("text", { x: left, y: height - 6 }, points.length > 1 ? "" : "one point so far");
+  add("text", { x: left, y: height - 6 }, formatX(xMin));
+  add("text", { x: width - right, y: height - 6, "text-anchor": "end" }, formatX(xMax));
 }
 
 function renderPeers(peers) {
@@ -130,16 +132,17 @@ function render(state) {
   setText("clients", number(swarm.clients));
   setText("dht-peers", number(swarm.dht_peers));
   setText("ignored", number(swarm.ignored_records));
-  const start = state.history.length ? state.history[0].time : 0;
   drawChart(
     document.getElementById("speed-chart"),
-    state.history.map((p) => [p.time - start, p.samples_per_second]),
+    state.history.map((p) => [p.time - state.time, p.samples_per_second]),
     "waiting for the first reading",
+    (t) => (t > -0.5 ? "now" : `${duration(-t)} ago`),
   );
   drawChart(
     document.getElementById("loss-chart"),
     state.loss.map((p) => [p.step, p.loss]),
     "no loss yet: the training monitor records it",
+    (step) => `step ${step}`,
   );
   renderPeers(state.peers);
   renderNode(state.node);

@@ -161,6 +161,16 @@ def test_a_given_target_and_no_speed():
     )
 
 
+def test_claims_that_overflow_still_give_valid_json():
+    collector = SwarmCollector("run", target_batch_size=100)
+    huge = [signed_entry(PrivateKey.generate(), samples_per_second=1e308) for _ in range(3)]
+    collector.observe(NOW, read(*huge), [], NODE)
+    state = collector.state(NOW)
+    json.dumps(state, allow_nan=False)
+    assert state["swarm"]["samples_per_second"] is None and state["swarm"]["eta_seconds"] is None
+    assert state["history"][-1]["samples_per_second"] is None and len(state["peers"]) == 3
+
+
 def test_a_collector_without_a_run_shows_dht_peers():
     collector = SwarmCollector(None)
     assert collector.progress_key is None

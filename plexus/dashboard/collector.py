@@ -139,7 +139,7 @@ class SwarmCollector:
         self._sightings: dict[str, PeerSighting] = {}
         self._node: NodeInfo | None = None
         self._observed_at: float | None = None
-        self._history: deque[tuple[float, float, int, int]] = deque(maxlen=history)
+        self._history: deque[tuple[float, float | None, int, int]] = deque(maxlen=history)
         self._steps: deque[tuple[int, float, float, float]] = deque(maxlen=max_steps)
         self._epoch, self._epoch_peak, self._estimated_target = 0, 0, None
 
@@ -164,23 +164,28 @@ class SwarmCollector:
         if all(math.isfinite(x) for x in (loss, samples_per_second, time)):
             self._steps.append((int(step), float(loss), float(samples_per_second), float(time)))
 
-    def _progress(self, now: float) -> tuple[int, int, float]:
+    def _progress(self, now: float) -> tuple[int, int, float | None]:
+        """The global epoch, its samples, and the swarm's speed (None where huge claims overflow it)."""
         reports = list(self._reading.reports.values())
         epoch = majority_epoch(reports)
         samples = sum(r.samples_accumulated for r in reports if r.epoch == epoch)
-        return epoch, samples, sum(r.samples_per_second for r in reports)
+        return epoch, samples, _finite(sum(r.samples_per_second for r in reports))
 
     def state(self, now: float, history: int | None = None, warnings: list[dict] | tuple = ()) -> dict:
         """Everything the page shows, as plain JSON types (finite numbers only)."""
         reports = self._reading.reports
         epoch, samples, speed = self._progress(now)
         target = self.target_batch_size or self._estimated_target
-        extrapolated = sum(
-            r.samples_accumulated + max(0.0, now - r.time) * r.samples_per_second
-            for r in reports.values()
-            if r.epoch == epoch
+        extrapolated = _finite(
+            sum(
+                r.samples_accumulated + max(0.0, now - r.time) * r.samples_per_second
+                for r in reports.values()
+                if r.epoch == epoch
+            )
         )
-        eta = max(0.0, target - extrapolated) / speed if target and speed > 0 else None
+        eta = None
+        if target and speed and extrapolated is not None:
+            eta = _finite(max(0.0, target - extrapolated) / speed)
         peers = [self._peer_row(peer_id, now) for peer_id in reports.keys() | self._sightings.keys()]
         peers.sort(key=lambda row: (row["status"] != "training", row["peer_id"]))
         points = list(self._history)
@@ -241,3 +246,8 @@ def _node_dict(node: NodeInfo) -> dict:
         nat_mode=node.nat_mode,
         routing_table_size=node.routing_table_size,
     )
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no inf or NaN: a sum that overflowed (records claiming ~1e308 samples/s) shows as None."""
+    return float(value) if math.isfinite(value) else None

@@ -42,6 +42,7 @@ function drawChart(svg, points, emptyText, formatX) {
   };
   add("line", { x1: left, y1: height - bottom, x2: width - right, y2: height - bottom, class: "axis" });
   add("line", { x1: left, y1: top, x2: left, y2: height - bottom, class: "axis" });
+  points = points.filter((p) => p[1] !== null);
   if (points.length === 0) {
     add("text", { x: width / 2, y: height / 2, "text-anchor": "middle" }, emptyText);
     return;

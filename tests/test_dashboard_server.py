@@ -11,9 +11,11 @@ import time
 import pytest
 
 from plexus.cli import dht as dht_command
+from plexus.cli.main import main as cli_main
 from plexus.dht.dht import DHT
 from plexus.errors import UsageError
 from plexus.optim.progress_tracker import ProgressTracker
+from plexus.utils.logging import remove_plexus_log_handler
 
 aiohttp = pytest.importorskip("aiohttp", reason="the dashboard needs aiohttp: pip install plexus[dashboard]")
 from plexus.dashboard import Dashboard  # noqa: E402
@@ -120,6 +122,15 @@ def test_a_missing_aiohttp_names_the_extra_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     with pytest.raises(UsageError, match=r"pip install plexus\[dashboard\]"):
         Dashboard(dht=None)
+
+
+def test_plexus_dht_without_aiohttp_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    try:
+        assert cli_main(["dht", "--dashboard", "0"]) == 1  # before any DHT starts
+    finally:
+        remove_plexus_log_handler()
+    assert "UsageError: the dashboard needs aiohttp: pip install plexus[dashboard]" in capsys.readouterr().err
 
 
 def test_a_taken_port_is_a_clear_error(swarm):

@@ -15,7 +15,7 @@ Example:
 import signal
 import threading
 
-from ..dashboard.address import add_dashboard_argument
+from ..dashboard.address import add_dashboard_argument, parse_bind_address
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
@@ -93,7 +93,9 @@ def run(args) -> int:
     dashboard = None
     try:
         if args.dashboard is not None:
-            host, port = args.dashboard
+            # a --config file may give the port as a number, which argparse leaves unparsed
+            address = args.dashboard
+            host, port = address if isinstance(address, tuple) else parse_bind_address(str(address))
             dashboard = Dashboard(dht, args.run_id, host=host, port=port)
             logger.info(f"Dashboard: {dashboard.url}")
         if not args.client_mode:

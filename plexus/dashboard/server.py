@@ -153,12 +153,12 @@ class Dashboard:
             str(peer_id): (peer_id, node.routing_table.last_seen(node_id))
             for node_id, peer_id in node.routing_table
         }
-        for report in reading.reports.values():
-            peers.setdefault(str(PeerID(report.peer_id)), (PeerID(report.peer_id), None))
-        for peer_id in self.dht.host.connected_peers():
+        for name, report in reading.reports.items():  # keyed by the signer, who is the record's peer
+            peers.setdefault(name, (PeerID(report.peer_id), None))
+        host = self.dht.host
+        for peer_id in host.connected_peers():
             peers.setdefault(str(peer_id), (peer_id, None))
         sightings = [self._sighting(name, peer_id, seen) for name, (peer_id, seen) in peers.items()]
-        host = self.dht.host
         node_info = NodeInfo(
             peer_id=str(self.dht.peer_id),
             addresses=tuple(str(addr) for addr in host.get_visible_maddrs()),

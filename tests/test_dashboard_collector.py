@@ -63,7 +63,7 @@ def test_bad_and_hostile_records_are_skipped_and_counted():
         signed_entry(honest),
         (subkey, ValueWithExpiration(dict(entry.value, peer_id=honest.peer_id.to_bytes()), entry[1])),
         signed_entry(PrivateKey.generate(), time=NOW + 3600),  # from the future
-        signed_entry(PrivateKey.generate(), time=NOW - 300),  # stale
+        signed_entry(PrivateKey.generate(), time=NOW - 100),  # stale: a peer that died
         signed_entry(PrivateKey.generate(), expiration=NOW + 10_000),  # lives too long
         signed_entry(PrivateKey.generate(), samples_per_second=math.nan),
         signed_entry(PrivateKey.generate(), epoch=-1),
@@ -79,6 +79,9 @@ def test_bad_and_hostile_records_are_skipped_and_counted():
     reading = read(*entries)
     assert list(reading.reports) == [str(honest.peer_id)]
     assert reading.ignored == len(entries) - 1
+    reasons = dict(reading.rejected)  # signed records that break a bound name their signer
+    assert len(reasons) == 3 and "is not the key that signed it" in reasons[str(other.peer_id)]
+    assert any("ahead of ours" in reason for reason in reasons.values())
 
 
 def test_a_peer_that_left_is_not_a_bad_record():

@@ -12,10 +12,12 @@ import pytest
 
 from plexus.cli import dht as dht_command
 from plexus.cli.main import main as cli_main
+from plexus.dht.crypto import Ed25519SignatureValidator
 from plexus.dht.dht import DHT
 from plexus.errors import UsageError
-from plexus.optim.progress_tracker import ProgressTracker
+from plexus.optim.progress_tracker import ProgressTracker, progress_validators
 from plexus.utils.logging import remove_plexus_log_handler
+from plexus.utils.timing import get_dht_time
 
 aiohttp = pytest.importorskip("aiohttp", reason="the dashboard needs aiohttp: pip install plexus[dashboard]")
 from plexus.dashboard import Dashboard  # noqa: E402
@@ -74,6 +76,36 @@ def test_the_api_shows_the_trainer_and_this_node(swarm):
     assert state["swarm"]["trainers"] == 1 and state["swarm"]["samples_accumulated"] == 25
     assert state["swarm"]["target_batch_size"] == 100 and state["run_id"] == "run"
     assert state["node"]["peer_id"] == str(dashboard.dht.peer_id)
+
+
+def test_a_forged_record_is_counted_and_its_signer_named_in_the_warnings(swarm):
+    dashboard, _ = swarm
+    forger = DHT(initial_peers=dashboard.dht.get_visible_maddrs(), start=True, host_maddrs=LOCAL)
+    try:
+        signer = Ed25519SignatureValidator(forger.private_key)
+        forger.add_validators(progress_validators("run", signer))
+        future = get_dht_time() + 3600  # storing nodes cannot tell; readers, with a clock, can
+        record = dict(
+            peer_id=forger.peer_id.to_bytes(),
+            epoch=99,
+            samples_accumulated=1,
+            samples_per_second=1.0,
+            time=future,
+            client_mode=False,
+        )
+        assert forger.store("run_progress", record, future + 60, subkey=signer.local_public_key)
+
+        def warned(state):  # the trainer's tracker in this process warns too: wait for the count
+            named = any(str(forger.peer_id) in w["message"] for w in state["warnings"])
+            return named and state["swarm"]["ignored_records"] >= 1
+
+        state = asyncio.run(state_when(dashboard.url, warned))
+        assert state["swarm"]["epoch"] == 0
+        dashboard_warnings = [w for w in state["warnings"] if w["logger"] == "plexus.dashboard.server"]
+        assert any("ahead of ours" in w["message"] for w in dashboard_warnings), state["warnings"]
+        assert all(p["peer_id"] != str(forger.peer_id) or p["status"] != "training" for p in state["peers"])
+    finally:
+        forger.shutdown()
 
 
 def test_the_page_and_its_assets_come_from_the_package(swarm):

@@ -22,6 +22,7 @@ from ..optim.progress_tracker import LocalTrainingProgress, ProgressBounds, brok
 
 MAX_ADDRESSES_SHOWN = 8
 MAX_PEERS_SHOWN = 500  # rows in the table; the counts in the header still cover everyone
+MAX_REJECTIONS_NAMED = 16  # signers named per read for breaking a bound; all are counted
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,14 @@ class ProgressReading:
 
     reports: dict[str, LocalTrainingProgress]
     ignored: int
+    rejected: tuple[tuple[str, str], ...] = ()
+    """(signer, what is wrong) for signed records that break a bound (stale ones are just old)."""
 
 
 def read_progress(found, now: float, stale_after: float, bounds: ProgressBounds) -> ProgressReading:
     """Sort `dht.get(f"{run_id}_progress", latest=True)` into usable records and skipped ones."""
     reports: dict[str, LocalTrainingProgress] = {}
-    ignored = 0
+    ignored, rejected = 0, []
     entries = getattr(found, "value", None)
     if not isinstance(entries, dict):
         return ProgressReading(reports, 0 if found is None else 1)
@@ -73,15 +76,14 @@ def read_progress(found, now: float, stale_after: float, bounds: ProgressBounds)
             ignored += 1
             continue
         signer = signer_of(subkey, report)
-        if (
-            expiration is None
-            or broken_bound(report, signer, expiration, bounds, now) is not None
-            or now - report.time > stale_after
-        ):
+        broken = None if expiration is None else broken_bound(report, signer, expiration, bounds, now)
+        if expiration is None or broken is not None or now - report.time > stale_after:
             ignored += 1
+            if broken is not None and signer is not None and len(rejected) < MAX_REJECTIONS_NAMED:
+                rejected.append((str(signer), broken[1]))
             continue
         reports[str(signer)] = report
-    return ProgressReading(reports, ignored)
+    return ProgressReading(reports, ignored, tuple(rejected))
 
 
 def _unpack(entry) -> tuple[object, float | None]:

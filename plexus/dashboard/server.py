@@ -149,6 +149,10 @@ class Dashboard:
                 found = await node.get(self.collector.progress_key, latest=True)
         now = get_dht_time()
         reading = read_progress(found, now, self.collector.stale_after, self.collector.bounds)
+        for signer, wrong in reading.rejected:  # shown under "recent warnings", once a minute per peer
+            self._read_failures.warning(
+                ("record", signer), f"ignoring the progress record of {signer}: {wrong}"
+            )
         peers = {
             str(peer_id): (peer_id, node.routing_table.last_seen(node_id))
             for node_id, peer_id in node.routing_table

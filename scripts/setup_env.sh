@@ -16,3 +16,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { command -v ip && c
         || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 nftables >/dev/null 2>&1; } \
         || echo "warning: could not install iproute2 and nftables; tests/test_nat.py needs them" >&2
 fi
+# The dashboard's browser test (tests/test_dashboard_browser.py) drives a headless Chromium. Install it
+# and its driver when missing and we are root with apt; elsewhere that test skips and says why.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+    apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } \
+        || echo "warning: could not install chromium and chromium-driver; tests/test_dashboard_browser.py needs them" >&2
+fi

@@ -13,6 +13,7 @@ import re
 import struct
 import subprocess
 import sys
+import urllib.request
 import zlib
 
 import pytest
@@ -395,6 +396,8 @@ def test_monitor_and_trainers_train_together_and_a_late_trainer_catches_up(token
             "tiny",
             "--dataset_path",
             tokenized,
+            "--dashboard",
+            "127.0.0.1:0",
             env=dict(
                 PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]),
                 FAKE_WANDB_LOG=wandb_log,
@@ -420,6 +423,12 @@ def test_monitor_and_trainers_train_together_and_a_late_trainer_catches_up(token
             timeout=90,
             what="12 steps, one of them with all three trainers",
         )
+        url = re.search(r"Dashboard: (http://\S+)", swarm.read_log("monitor")).group(1)
+        with urllib.request.urlopen(url + "api/state", timeout=10) as response:
+            dashboard = json.load(response)
+        shown = [point["step"] for point in dashboard["loss"]]
+        assert len(shown) >= 12 and set(shown) <= set(steps_done()), (shown, steps_done())
+        assert dashboard["swarm"]["trainers"] == 3 and dashboard["run_id"] == "albert", dashboard["swarm"]
         codes = swarm.stop()
     assert codes == {"monitor": 0, "first": 0, "second": 0, "late": 0}, codes
     with pytest.raises(ProcessLookupError):

@@ -6,6 +6,7 @@
     python run_training_monitor.py --host_maddrs /ip4/0.0.0.0/tcp/31337 --identity_path ./identity.key \\
         --announce_maddrs /ip4/PUBLIC_IP/tcp/31337                   # the same address after every restart
     python run_training_monitor.py --store_checkpoints --save_checkpoint_step_interval 10
+    python run_training_monitor.py --dashboard 8080      # a live dashboard at http://127.0.0.1:8080/
 
 It needs no GPU and little bandwidth, only uptime. Every --refresh_period seconds it reads the
 trainers' signed metrics (metrics.py) and, for each global step, logs `Step #N  loss = x` with the
@@ -33,6 +34,7 @@ from metrics import StepTable, make_validators, metrics_key, parse_records  # si
 from swarm import stop_on_signals
 
 import plexus
+from plexus.dashboard.address import add_dashboard_argument
 from plexus.utils.logging import use_plexus_log_handler
 
 logger = logging.getLogger("plexus.albert")
@@ -93,6 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     record.add_argument(
         "--wandb_project", default=None, help="log every step to this Weights & Biases project"
     )
+    add_dashboard_argument(record)
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--store_checkpoints", action="store_true", help="download and save the averaged state")
     ckpt.add_argument(
@@ -230,6 +233,13 @@ def write_status(path: str, status: dict) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.dashboard is not None:
+        from plexus.dashboard.server import Dashboard, require_aiohttp
+
+        try:
+            require_aiohttp()  # a missing extra is a one-line error before anything starts
+        except plexus.UsageError as error:
+            raise SystemExit(f"error: --dashboard: {error}") from None
     use_plexus_log_handler()
     stop_on_signals()
     dht = plexus.DHT(
@@ -260,6 +270,15 @@ def main(argv=None):
                 "(WANDB_MODE=offline works without an account)"
             ) from None
         wandb.init(project=args.wandb_project, config=dict(run_id=args.run_id))
+    dashboard = None
+    if args.dashboard is not None:
+        host, port = args.dashboard
+        try:
+            dashboard = Dashboard(dht, args.run_id, host=host, port=port)
+        except plexus.UsageError as error:  # e.g. the port is taken
+            dht.shutdown()
+            raise SystemExit(f"error: --dashboard: {error}") from None
+        logger.info(f"Dashboard: {dashboard.url}")
     metrics_file = MetricsFile(args.metrics_path)
     checkpointer = Checkpointer(dht, args) if args.store_checkpoints else None
     table, last_row, quiet_since = StepTable(args.settle_time), None, time.monotonic()
@@ -272,6 +291,8 @@ def main(argv=None):
                 f"samples: {row.samples}  samples/s: {row.samples_per_second:.1f}"
             )
             metrics_file.write(row)
+            if dashboard is not None:
+                dashboard.record_step(row.step, row.loss, row.samples_per_second, row.time)
             if wandb is not None:
                 wandb.log(
                     dict(
@@ -333,6 +354,8 @@ def main(argv=None):
             checkpointer.shutdown()
         if wandb is not None:
             wandb.finish()
+        if dashboard is not None:
+            dashboard.shutdown()
         dht.shutdown()
 
 

@@ -9,11 +9,13 @@ Example:
     plexus dht --initial_peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
     plexus dht --initial_peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... --use_auto_relay   # behind NAT
     plexus dht --initial_peers /p2p/12D3KooW... --use_ipfs   # find that peer through the IPFS DHT
+    plexus dht --dashboard 8080 --run_id albert   # and a live dashboard at http://127.0.0.1:8080/
 """
 
 import signal
 import threading
 
+from ..dashboard.address import add_dashboard_argument, parse_bind_address
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
@@ -57,10 +59,20 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--refresh_period", type=float, default=30.0, help="seconds between status lines (default 30)"
     )
+    add_dashboard_argument(parser)
+    parser.add_argument(
+        "--run_id",
+        default=None,
+        help="with --dashboard: the training run whose progress to show (its trainers' --run_id)",
+    )
     add_config_argument(parser)
 
 
 def run(args) -> int:
+    if args.dashboard is not None:
+        from ..dashboard.server import Dashboard, require_aiohttp
+
+        require_aiohttp()  # before the DHT starts: a missing extra is a one-line error
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -78,7 +90,14 @@ def run(args) -> int:
         use_ipfs=args.use_ipfs,
         ipfs_bootstrap_peers=args.ipfs_bootstrap_peers,
     )
+    dashboard = None
     try:
+        if args.dashboard is not None:
+            # a --config file may give the port as a number, which argparse leaves unparsed
+            address = args.dashboard
+            host, port = address if isinstance(address, tuple) else parse_bind_address(str(address))
+            dashboard = Dashboard(dht, args.run_id, host=host, port=port)
+            logger.info(f"Dashboard: {dashboard.url}")
         if not args.client_mode:
             maddrs = " ".join(str(addr) for addr in dht.get_visible_maddrs())
             logger.info(
@@ -94,6 +113,8 @@ def run(args) -> int:
             logger.info(f"{peers + 1} DHT nodes (including this one) are in the local routing table")
             logger.info(f"Local storage contains {keys} keys")
     finally:
+        if dashboard is not None:
+            dashboard.shutdown()
         dht.shutdown()
         logger.info("DHT peer stopped")
     return 0

@@ -196,6 +196,21 @@ class GlobalTrainingProgress:
     next_fetch_time: float
 
 
+def progress_validators(
+    prefix: str,
+    signer: RecordValidatorBase,
+    bounds: ProgressBounds = ProgressBounds(),
+    rsa_records: bool = False,
+) -> list[RecordValidatorBase]:
+    """What a DHT needs to store and read `{prefix}_progress` records (a tracker adds them itself; a
+    reader that publishes nothing, such as a dashboard, adds them with its own `signer`)."""
+    return [
+        signer,
+        SchemaValidator(TrainingProgressSchema, prefix=prefix),
+        _ProgressRecordValidator(f"{prefix}_progress", bounds, rsa_records),
+    ]
+
+
 class ProgressTracker:
     """Publishes this peer's progress and keeps an estimate of the whole swarm's."""
 
@@ -255,13 +270,7 @@ class ProgressTracker:
             else Ed25519SignatureValidator(private_key or dht.private_key)
         )
         self._subkey = signer.local_public_key
-        dht.add_validators(
-            [
-                signer,
-                SchemaValidator(TrainingProgressSchema, prefix=prefix),
-                _ProgressRecordValidator(self.training_progress_key, bounds, self.rsa_records),
-            ]
-        )
+        dht.add_validators(progress_validators(prefix, signer, bounds, self.rsa_records))
         self._rejections = RateLimitedLog(logger)
         self._claims: dict[bytes, tuple[int, float]] = {}  # peer -> (epoch it claims ahead of us, since when)
         self._confirmed: dict[bytes, int] = {}  # peer -> the epoch its state server confirmed

@@ -132,6 +132,20 @@ def test_the_checks_can_fail():
     assert not [path for path, obj in directives().items() if obj is Bare]
 
 
+def test_the_quickstart_runs():
+    """The first script of docs/index.md (two peers, a record, one averaging round) does what it says."""
+    page = (ROOT / "docs" / "index.md").read_text()
+    script = re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1)
+    assert "127.0.0.1" in script  # tests stay on loopback
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=50
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines[1:3] == ["hello", "[2, 2]"], result.stdout
+    assert lines[3] == "tensor([0.5000, 0.5000, 0.5000, 0.5000])", result.stdout
+
+
 @pytest.mark.docs
 @pytest.mark.timeout(240)
 def test_the_site_builds_with_warnings_as_errors(tmp_path):

@@ -1,9 +1,9 @@
-# Two commands: `make demo` runs the main job, `make test` runs the whole suite.
+# Two commands: `make demo` runs the main job, `make test` runs the whole suite (`make docs` builds the site).
 # Both create their own virtual environment in .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench setup lint
+.PHONY: demo test bench setup lint docs
 
 setup: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 demo: setup
 	$(VENV)/bin/plexus demo $(DEMO_ARGS)
 
-test: setup lint
+test: setup lint $(VENV)/.docs-installed
 	$(PY) scripts/fetch_p2pd.py
 	$(PY) -m pytest -ra --durations=15
 
@@ -27,3 +27,11 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The documentation site (mkdocs.yml) into site/, warnings as errors. Installs the docs extra on first use.
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@

@@ -117,6 +117,8 @@ def allreduce_protocol(protocol_prefix: str = DEFAULT_PROTOCOL_PREFIX) -> str:
 
 
 class AveragingMode(enum.Enum):
+    """What a member does in a round: a full node, a client (behind NAT) or an auxiliary reducer."""
+
     NODE = 0  # sends its tensors and reduces its span
     CLIENT = 1  # sends and receives, reduces nothing, accepts no streams
     AUX = 2  # reduces only: weight 0, sends nothing, receives nothing

@@ -22,6 +22,8 @@ UNWIND_TIMEOUT = 10.0  # the longest a cancelled step's coroutine takes to end, 
 
 
 class AveragingStage(enum.Enum):
+    """Where a background step is: looking for a group, waiting for its trigger, reducing, done."""
+
     IDLE = 0
     LOOKING_FOR_GROUP = 1
     AWAITING_TRIGGER = 2
@@ -30,6 +32,9 @@ class AveragingStage(enum.Enum):
 
 
 class StepControl:
+    """A handle on one averaging step running in the background, returned by `step(wait=False)`:
+    wait for its result, cancel it, change its weight, or trigger its all-reduce."""
+
     def __init__(
         self, loop: asyncio.AbstractEventLoop, *, scheduled_time: float, weight: float, require_trigger: bool
     ):

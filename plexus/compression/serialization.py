@@ -23,6 +23,7 @@ BASE_COMPRESSION_TYPES: dict[str, CompressionBase] = {
     "QUANTILE_8BIT": Quantile8BitQuantization(),
     "BLOCKWISE_8BIT": BlockwiseQuantization(),
 }
+"""One instance of each basic method, by its `CompressionType` name."""
 _BY_CODE = {CompressionType[name]: method for name, method in BASE_COMPRESSION_TYPES.items()}
 
 

@@ -105,8 +105,20 @@ class DHT:
         no_listen: bool = False,
         **node_options,
     ):
-        """
-        Args (besides hivemind's DHT ones):
+        """Names and defaults are hivemind's; the NAT, cipher and private-swarm options are Plexus's.
+
+        Args:
+            initial_peers: multiaddrs of peers already in the swarm (…/p2p/<peer id>); none: start one.
+            start: start at once (else call `run_in_background()`).
+            host_maddrs: addresses to listen on; port 0 lets the OS pick one.
+            announce_maddrs: addresses to advertise instead (e.g. a public IP behind port forwarding).
+            identity_path: a file holding this peer's Ed25519 key, created on first use, so that the
+                peer id stays the same across restarts.
+            record_validators: checks every stored and returned record passes (signatures, schemas).
+            num_workers: requests a lookup keeps in flight at once.
+            startup_timeout: the longest start-up (joining the initial peers included) may take.
+            shutdown_timeout: the longest `shutdown()` waits for the node to stop cleanly.
+            await_ready: with `start`, wait until the DHT is up before returning.
             p2p: run on this started Host (or anything with a `.host`, such as what
                 `replicate_p2p()` returns) instead of a new one; the DHT leaves it running at shutdown.
             no_listen: accept no incoming connections (no host_maddrs), as hivemind's P2P option.
@@ -124,12 +136,13 @@ class DHT:
             ipfs_bootstrap_peers: where to join that DHT (default: the public IPFS bootstrap peers).
             noise_ciphers: Noise cipher functions to offer, most preferred first (`HostOptions`); put
                 "ChaChaPoly" first on a CPU without AES instructions.
-            storage_limits (passed on to `DHTNode.create`): a `plexus.dht.storage.StorageLimits`, the
-                bounds of what this peer stores for others (per sender, per owner, per key, in all).
             swarm_key: a private network's 32-byte pre-shared key (`plexus.p2p.pnet.load_swarm_key`
                 reads a swarm.key file): only peers holding it can connect at all.
             authorizer: admit only peers it accepts (e.g. `SignedTokenAuthorizer`, access tokens signed
                 by the run's authority), on every protocol of this peer's host: DHT, averaging, experts.
+            **node_options: passed on to `DHTNode.create`, e.g. `storage_limits`, a
+                `plexus.dht.storage.StorageLimits`: the bounds of what this peer stores for others
+                (per sender, per owner, per key, in all).
         """
         if force_reachability not in (None, "public", "private"):
             raise ValueError(

@@ -25,6 +25,10 @@ class DHTRecord:
 
 
 class RecordValidatorBase(ABC):
+    """A rule every record must pass before a node stores or returns it, and the proof the rule
+    adds to the values this node sends (a signature, say). A `CompositeValidator` applies several,
+    ordered by `priority`."""
+
     @abstractmethod
     def validate(self, record: DHTRecord) -> bool:
         """True if the record may be stored or returned; must not raise on malformed input."""

@@ -21,12 +21,16 @@ from typing import NamedTuple
 from ..p2p.identity import PeerID
 
 ExpertUID = str
+"""An expert's name: a name and one or more grid coordinates, `ffn.3.7`."""
 ExpertPrefix = str
+"""A uid cut after a delimiter, `ffn.3.`: the DHT key under which the next coordinates are found."""
 Coordinate = int
 Score = float
 
 UID_DELIMITER = "."
+"""What separates a uid's name and coordinates."""
 FLAT_EXPERT = -1
+"""The pseudo-coordinate under which a one-dimensional uid (`ffn.3`) is announced at `ffn.3.`."""
 UID_PATTERN = re.compile(r"^[^.]+(\.(0|[1-9][0-9]*))+$")
 PREFIX_PATTERN = re.compile(r"^[^.]+(\.(0|[1-9][0-9]*))*\.$")
 MAX_UID_LENGTH = 256

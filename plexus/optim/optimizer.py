@@ -88,12 +88,72 @@ class Optimizer(torch.optim.Optimizer):
     target_batch_size=4096, batch_size_per_step=32, optimizer=partial(torch.optim.Adam, lr=1e-3),
     params=model.parameters())`, then `loss.backward(); opt.step(); opt.zero_grad()` as usual.
 
-    See hivemind's documentation for every argument; the names and defaults are the same.
-    `grad_averager_factory` builds the gradient averager from (parameters, dht=, prefix=, ...), e.g.
-    `functools.partial(PowerSGDGradientAverager, averager_rank=32)` (default: GradientAverager).
-    Plexus adds `robust_aggregation`: a `RobustAggregation` (CenteredClip per part, verified reducers)
-    for the gradient and state rounds; every peer of a run must pass equal options (default None:
-    plain means).
+    Names and defaults are hivemind's. Every peer of a run passes the same `run_id`,
+    `target_batch_size`, compression and robustness options; the rest is each peer's own choice.
+
+    Args:
+        dht: this peer's running `DHT`; progress, matchmaking and state downloads go through it.
+        run_id: the swarm's name; peers with the same `run_id` train together. It prefixes the
+            DHT keys of the progress tracker and of both averagers.
+        target_batch_size: samples the whole swarm accumulates per global step (an *epoch*).
+        batch_size_per_step: samples behind one call to `step()`, when `step()` is not told
+            `batch_size`; counted toward the target and used to weigh this peer in gradient rounds.
+        optimizer: the wrapped torch optimizer: an instance, or a factory called with `params`
+            (`functools.partial(torch.optim.Adam, lr=1e-3)`). Offloading needs the factory.
+        params: the parameters or parameter groups to hand to the `optimizer` factory.
+        scheduler: a learning-rate scheduler, or a factory called with the optimizer; it steps once
+            per global epoch, not per local step.
+        matchmaking_time: how long before the epoch's expected end a peer starts looking for a
+            group, and the least time it spends gathering one; raise it on slow links.
+        averaging_timeout: the longest a whole averaging round may take; also the deadline of the
+            first progress fetch in the constructor.
+        allreduce_timeout: the deadline of the all-reduce itself, once the group is formed
+            (default: `averaging_timeout`).
+        next_chunk_timeout: the longest a reducer waits for a peer's next part before it goes on
+            without that peer (default: `matchmaking_time`).
+        load_state_timeout: the deadline of one state download from a peer.
+        reuse_grad_buffers: accumulate in the parameters' own `.grad` (saves a copy of the
+            gradients; then do not call `zero_grad()` yourself, the Optimizer clears them after each
+            epoch). Required with a `plexus.GradScaler`.
+        offload_optimizer: let the wrapped optimizer step float32 CPU copies of the parameters,
+            copied back into the model after each step (default: on when `params` is given and
+            `use_local_updates` is off).
+        delay_optimizer_step: take the optimizer step in the background, so the next epoch's
+            batches start at once on parameters one step stale (default: `delay_grad_averaging`;
+            needs `offload_optimizer`).
+        delay_grad_averaging: average gradients in the background as well (needs
+            `delay_optimizer_step`).
+        delay_state_averaging: average the state in the background instead of blocking `step()`.
+        average_state_every: average parameters (and the chosen optimizer statistics) every this
+            many epochs; at least 1.
+        use_local_updates: every `step()` is a local optimizer step and no gradients are averaged;
+            only the state is, at the epoch's end. Excludes `delay_grad_averaging` and
+            `reuse_grad_buffers`.
+        client_mode: this peer only dials out: it sends and receives but reduces no part of a
+            round, so it works behind NAT (default: the DHT's mode).
+        auxiliary: this peer has no model of its own to train and only helps reduce others' parts;
+            call `step()` with no batch. Cannot be combined with `client_mode`.
+        grad_compression: how gradients travel in gradient rounds.
+        state_averaging_compression: how parameters and statistics travel in state rounds.
+        load_state_compression: how the state travels when a newcomer downloads it.
+        average_opt_statistics: optimizer state keys averaged along with the parameters, e.g.
+            `("exp_avg_sq",)` for Adam.
+        extra_tensors: more tensors averaged and shared with the state, e.g. batch-norm statistics.
+        averager_opts: more keyword arguments for both averagers (`target_group_size`,
+            `min_group_size`, `bandwidth`, `request_timeout`, ...).
+        tracker_opts: more keyword arguments for the `ProgressTracker` (refresh periods,
+            `bounds`, ...).
+        grad_averager_factory: builds the gradient averager from (parameters, dht=, prefix=, ...),
+            e.g. `functools.partial(PowerSGDGradientAverager, averager_rank=32)` (default:
+            `GradientAverager`).
+        performance_ema_alpha: smoothing factor of the samples-per-second estimate this peer
+            reports, and of the measured delay before its rounds begin.
+        shutdown_timeout: how long `shutdown()` waits for a round still under way.
+        verbose: log the per-epoch status lines (`Step #N`, contribution, performance, averaged
+            peers) at INFO instead of DEBUG.
+        robust_aggregation: a `RobustAggregation` (CenteredClip per part, verified reducers) for
+            the gradient and state rounds, for swarms with peers you cannot trust; every peer of a
+            run must pass equal options (default None: plain means).
     """
 
     def __init__(

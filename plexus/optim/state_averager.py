@@ -102,7 +102,9 @@ class StateLoadError(PlexusError, RuntimeError):
 class TrainingStateAverager(DecentralizedAverager):
     """Holds a peer's parameters, optimizer, scheduler and epoch; averages and shares them.
 
-    Args (hivemind's names; all keyword-only):
+    The arguments keep hivemind's names and are all keyword-only.
+
+    Args:
         optimizer: a `torch.optim.Optimizer`, or a factory called with `params` (required with
             `offload_optimizer`, which builds the optimizer on the offloaded copies).
         params: parameters or parameter groups, when `optimizer` is a factory.

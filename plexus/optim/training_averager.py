@@ -39,7 +39,8 @@ class TrainingAverager(DecentralizedAverager):
 
     Args:
         opt: the local torch optimizer; its parameters are the model's.
-        average_parameters / average_gradients: which of them to average.
+        average_parameters: average the parameters.
+        average_gradients: average the gradients.
         average_opt_statistics: optimizer state keys to average too (e.g. ``("exp_avg_sq",)``).
         extra_tensors: more tensors to average (e.g. batch-norm statistics).
         parameter_names: names for compression infos.

@@ -47,8 +47,10 @@ class ModuleBackend:
         kwargs_schema: descriptor per keyword input.
         outputs_schema: one descriptor, or a tuple for modules that return a tuple; inferred from a
             dummy forward of DUMMY_BATCH_SIZE rows when None.
-        max_batch_size, min_batch_size, timeout, max_pending_tasks: batching limits of the pools
-            (`timeout`: how long the oldest request waits for min_batch_size rows before it runs anyway).
+        max_batch_size: the most rows one batch of the pools holds.
+        min_batch_size: the rows a batch waits for, at most `timeout` seconds.
+        timeout: how long the oldest request waits for min_batch_size rows before it runs anyway.
+        max_pending_tasks: how many requests a pool queues before it refuses more.
     """
 
     def __init__(

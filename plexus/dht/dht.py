@@ -363,10 +363,12 @@ class DHT:
                 logger.warning("use_auto_relay needs use_relay=True; not reserving any relay")
             return
 
+        relay_client = self.relay_client
+
         async def reserve(addrs: list[Multiaddr]) -> None:
             for addr in addrs[:MAX_RELAY_CANDIDATES]:
                 try:
-                    await self.relay_client.reserve(addr)
+                    await relay_client.reserve(addr)
                     return
                 except (
                     RelayError,
@@ -379,8 +381,8 @@ class DHT:
                     logger.debug(f"could not reserve a slot on relay {addr}: {error}")
 
         candidates = candidates[:MAX_RELAY_CANDIDATES]
-        while candidates and len(self.relay_client.reservations) < MAX_RELAYS:
-            batch_size = MAX_RELAYS - len(self.relay_client.reservations)
+        while candidates and len(relay_client.reservations) < MAX_RELAYS:
+            batch_size = MAX_RELAYS - len(relay_client.reservations)
             batch, candidates = candidates[:batch_size], candidates[batch_size:]
             await asyncio.gather(*(reserve(addrs) for addrs in batch))
 
@@ -482,7 +484,7 @@ class DHT:
             await self.kademlia.find_peer(peer_id)
 
     async def _dial(self, addr: Multiaddr, timeout: float) -> PeerID:
-        if addr.protocols() == ["p2p"]:  # /p2p/<id> alone: find its addresses (use_ipfs)
+        if addr.protocols() == ["p2p"] and addr.peer_id is not None:  # /p2p/<id> alone: look it up
             if self.kademlia is None:
                 raise DialError(
                     f"{addr} has no address to dial: give one, or pass use_ipfs=True to look it up"
@@ -493,7 +495,7 @@ class DHT:
                 raise DialError(f"{error} (looked up through the Kademlia DHT)") from None
         else:
             connection = await self._started_host.connect(addr, timeout=timeout)
-        return connection.remote_peer
+        return connection.peer
 
     def shutdown(self) -> None:
         """Leave the DHT and close the host. Idempotent; call it from any thread but the loop's."""

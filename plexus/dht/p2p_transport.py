@@ -124,7 +124,7 @@ async def dial_initial_peers(
         return []
 
     async def connect(addr: Multiaddr, timeout: float) -> PeerID:
-        return (await host.connect(addr, timeout=timeout)).remote_peer
+        return (await host.connect(addr, timeout=timeout)).peer
 
     dial = dial or connect
     results = await asyncio.gather(*(dial(addr, timeout) for addr in addrs), return_exceptions=True)

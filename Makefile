@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench setup lint
+.PHONY: demo test bench setup lint typecheck
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,11 @@ test: setup lint
 bench: setup
 	$(PY) benchmarks/transport.py
 
-# The habits CI holds: lint rules and the formatter's layout (pyproject.toml's [tool.ruff]).
-lint: setup
+# The habits CI holds: lint rules and the formatter's layout (pyproject.toml's [tool.ruff]), and types.
+lint: setup typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy over the package (pyproject.toml's [tool.mypy]: what it checks, and the baseline it spares).
+typecheck: setup
+	$(PY) -m mypy

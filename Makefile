@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench setup lint docs
+.PHONY: demo test bench setup lint typecheck docs
 
 setup: $(VENV)/.installed
 
@@ -23,8 +23,8 @@ test: setup lint $(VENV)/.docs-installed
 bench: setup
 	$(PY) benchmarks/transport.py
 
-# The habits CI holds: lint rules and the formatter's layout (pyproject.toml's [tool.ruff]).
-lint: setup
+# The habits CI holds: lint rules and the formatter's layout (pyproject.toml's [tool.ruff]), and types.
+lint: setup typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
@@ -35,3 +35,7 @@ docs: $(VENV)/.docs-installed
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[docs]"
 	touch $@
+
+# mypy over the package (pyproject.toml's [tool.mypy]: what it checks, and the baseline it spares).
+typecheck: setup
+	$(PY) -m mypy

@@ -40,7 +40,7 @@ SINK, ECHO = "/bench/sink/1.0.0", "/bench/echo/1.0.0"
 def make_certificate(directory: str) -> tuple[str, str]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -14,6 +14,7 @@ import torch
 from plexus.averaging.averager import DecentralizedAverager
 from plexus.dht.dht import DHT
 from plexus.dht.node import DHTBootstrapError
+from plexus.errors import UsageError
 from plexus.p2p import rpc
 from plexus.p2p.auth import (
     AccessToken,
@@ -294,3 +295,10 @@ def test_authorized_peers_average_and_share_state_and_outsiders_cannot_join():
     finally:
         for thing in averagers + [second, first]:
             thing.shutdown()
+
+
+def test_an_authorizer_without_a_key_says_it_needs_one():
+    # Until a Host binds it (or local_private_key is given), it has no identity to ask a token for.
+    lonely = member(TokenAuthority())
+    with pytest.raises(UsageError, match="no key yet"):
+        run(lonely.credentials())

@@ -346,3 +346,8 @@ def test_handshakes_at_once_are_bounded(caplog):
         assert refusals(caplog, "(max_pending_connections)")
 
     run(main())
+
+
+def test_a_flood_needs_to_know_whom_it_floods():
+    with pytest.raises(ValueError, match="must end in /p2p/<peer id>"):
+        ConnectionFlood("/ip4/127.0.0.1/tcp/4001")

@@ -167,3 +167,27 @@ def test_plexus_dht_flags_reserve_on_the_given_relay_and_say_so():
         process.kill()
         process.wait()
         relay.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_auto_relay_without_a_relay_client_falls_back_to_client_mode():
+    # use_auto_relay needs use_relay's client; without one the choice of mode must still be made
+    # (it used to fail reading the reservations of a relay client that did not exist).
+    first = DHT(start=True, host_maddrs=LOCAL)
+    try:
+        lonely = DHT(
+            initial_peers=first.get_visible_maddrs(),
+            start=True,
+            host_maddrs=LOCAL,
+            client_mode=None,
+            force_reachability="private",
+            use_relay=False,
+            use_auto_relay=True,
+        )
+        try:
+            assert lonely.relay_client is None
+            assert lonely.client_mode and lonely.nat_mode == "client"
+        finally:
+            lonely.shutdown()
+    finally:
+        first.shutdown()

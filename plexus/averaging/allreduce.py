@@ -501,12 +501,14 @@ class AllReduceRunner:
             return
         if header.index == 0:
             self._weight_given[j] = header.weight or 0.0
-        self._answered[j].append(0.0 if header.kind == AnswerKind.KEEP else header.radius)
+        self._answered[j].append(0.0 if header.kind == AnswerKind.KEEP else header.radius or 0.0)
 
     def _apply_answer(self, part: Part, header: AnswerHeader, chunks: list | None) -> None:
         if header.kind == AnswerKind.KEEP:
             self.partition.keep(part)
             return
+        if chunks is None:
+            raise rpc.RPCProtocolError(f"answer for part {part.index} came without its buffer")
         target = self.partition.output(part)
         checked_in_place = self.reject_nonfinite and self.partition.in_place  # no local copy to fall back on
         if (
@@ -561,7 +563,7 @@ class AllReduceRunner:
         for j in range(len(self.peers)):
             own = self.reducer.weights if j == self.me and self.reducer is not None else None
             weights.append(own.get(self.me, 0.0) if own else self._weight_given[j])
-            span_rows = []
+            span_rows: list[tuple[float, ...]] = []
             for index, radius in enumerate(self._answered[j][: self._applied[j]]):
                 if radius == 0:
                     span_rows.append((0.0, 0.0, 0.0, 0.0))

@@ -36,6 +36,7 @@ import torch
 
 from ..compression import CompressionBase, CompressionInfo, NoCompression
 from ..dht.dht import DHT
+from ..dht.node import DHTNode
 from ..errors import PlexusError
 from ..p2p.host import Host
 from ..p2p.identity import PeerID
@@ -196,7 +197,7 @@ class DecentralizedAverager:
     def _compute_schema_hash(self) -> bytes:
         """Peers average together only if they cut the vector into the same parts."""
         schema = [(tuple(t.shape), str(t.dtype)) for t in self._tensors]
-        layout = (schema, self.part_size_bytes, type(self.compression).__name__)
+        layout: tuple = (schema, self.part_size_bytes, type(self.compression).__name__)
         if self.robust is not None:  # robust rounds speak more on the wire, and must clip alike
             layout += (repr(self.robust),)
         return hashlib.sha256(repr(layout).encode()).digest()
@@ -210,8 +211,30 @@ class DecentralizedAverager:
         if await_ready:
             self._ready.result(timeout)
 
-    async def _start(self) -> None:
+    def _host_and_node(self) -> tuple[Host, DHTNode]:
         host, node = self.dht.host, self.dht.node
+        if host is None or node is None:
+            raise RuntimeError("the averager's DHT is not running")
+        return host, node
+
+    @property
+    def _started_matchmaking(self) -> Matchmaking:
+        if self._matchmaking is None:
+            raise RuntimeError(
+                "the averager has not started: create it with start=True or call run_in_background()"
+            )
+        return self._matchmaking
+
+    @property
+    def _started_state_sharing(self) -> StateSharing:
+        if self._state_sharing is None:
+            raise RuntimeError(
+                "the averager has not started: create it with start=True or call run_in_background()"
+            )
+        return self._state_sharing
+
+    async def _start(self) -> None:
+        host, node = self._host_and_node()
         if host not in _routers:
             _routers[host] = AllReduceRouter(host)
         self._matchmaking = Matchmaking(
@@ -252,8 +275,8 @@ class DecentralizedAverager:
             self._background.run(self._shutdown(), timeout=self.shutdown_timeout + 5)
 
     async def _shutdown(self) -> None:
-        await self._matchmaking.shutdown()
-        await self._state_sharing.shutdown()
+        await self._started_matchmaking.shutdown()
+        await self._started_state_sharing.shutdown()
 
     def __enter__(self):
         self.run_in_background()
@@ -287,8 +310,7 @@ class DecentralizedAverager:
         the others are tried."""
         future = self._background.submit(
             load_state_from_peers(
-                self.dht.host,
-                self.dht.node,
+                *self._host_and_node(),
                 self.prefix,
                 timeout=timeout,
                 min_priority=min_priority,
@@ -323,7 +345,7 @@ class DecentralizedAverager:
         return self._matchmaking.group_bits if self._matchmaking is not None else self.initial_group_bits
 
     def set_group_bits(self, group_bits: str) -> None:
-        self._matchmaking.group_bits = group_bits
+        self._started_matchmaking.group_bits = group_bits
 
     @property
     def peer_id(self) -> PeerID:
@@ -406,11 +428,12 @@ class DecentralizedAverager:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (timeout if timeout is not None else DEFAULT_STEP_TIMEOUT)
         gather = MSGPackSerializer.dumps([self.bandwidth, self.mode.value, user_gather])
-        failures = []
+        failures: list[str] = []
+        matchmaking = self._started_matchmaking
         try:
             while True:
                 control.stage = AveragingStage.LOOKING_FOR_GROUP
-                group = await self._matchmaking.look_for_group(
+                group = await matchmaking.look_for_group(
                     gather=gather,
                     deadline=deadline,
                     scheduled_time=control.scheduled_time,
@@ -418,11 +441,11 @@ class DecentralizedAverager:
                     alone_timeout=alone_timeout,
                     round_tag=round_tag,
                 )
-                if group is None and self._matchmaking.last_round_alone:
+                if group is None and matchmaking.last_round_alone:
                     earlier = f" (earlier tries: {'; '.join(failures)})" if failures else ""
                     raise NoPeersError(
                         f"Averaging step failed: no other peer was looking for a group under "
-                        f"{self._matchmaking.group_key!r}{earlier}"
+                        f"{matchmaking.group_key!r}{earlier}"
                     )
                 if group is None:
                     failures.append("could not find a group")
@@ -479,8 +502,9 @@ class DecentralizedAverager:
         total = sum(tensor.numel() for tensor in self._tensors)
         fractions = load_balance_peers(total, bandwidths, self.min_vector_size)
         async with self._round_tensors() as (sources, outputs):
+            host, _ = self._host_and_node()
             runner = self.allreduce_runner(
-                self.dht.host,
+                host,
                 group.group_id,
                 sources,
                 group.peer_ids,
@@ -496,7 +520,7 @@ class DecentralizedAverager:
                 outputs=outputs,
                 **self._member_checks(group.peer_ids),
             )
-            with _routers[self.dht.host].register(runner):
+            with _routers[host].register(runner):
                 async with asyncio.timeout(self.allreduce_timeout):
                     report = await runner.run()
             failed = ", ".join(
@@ -539,7 +563,12 @@ class DecentralizedAverager:
         try:
             await asyncio.shield(acquired)
         except asyncio.CancelledError:
-            acquired.add_done_callback(lambda future: future.cancelled() or self._lock.release())
+
+            def release_once_acquired(future: asyncio.Future) -> None:
+                if not future.cancelled():
+                    self._lock.release()
+
+            acquired.add_done_callback(release_once_acquired)
             raise
 
     @contextlib.asynccontextmanager
@@ -567,7 +596,7 @@ class DecentralizedAverager:
         try:
             for buffer, tensor in zip(work, self._tensors):
                 tensor.copy_(buffer)
-            self._state_sharing.state_changed()
+            self._started_state_sharing.state_changed()
         finally:
             self._lock.release()
 

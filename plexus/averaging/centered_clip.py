@@ -69,7 +69,9 @@ def coordinate_median(values: torch.Tensor) -> torch.Tensor:
     """The median of each column of `values` (n x d); the mean of the two middle values for even n."""
     n = values.shape[0]
     if n <= SORTING_NETWORK_MAX:  # odd-even transposition: ~n^2/2 elementwise passes, 5-10x faster
-        ordered = list(values.unbind(0))  # than torch.sort along a short, strided dimension
+        ordered: list[torch.Tensor] | torch.Tensor = list(
+            values.unbind(0)
+        )  # than torch.sort along a short, strided dimension
         for step in range(n):
             for i in range(step % 2, n - 1, 2):
                 ordered[i], ordered[i + 1] = (

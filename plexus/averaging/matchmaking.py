@@ -92,6 +92,7 @@ class _Mailbox:
         await self._ready.wait()
         self._ready.clear()
         response, self._pending = self._pending, None
+        assert response is not None  # (put before _ready was set)
         return response
 
 
@@ -135,11 +136,14 @@ class Matchmaking:
         self._rng = random.SystemRandom()
         self._max_poll_interval = min(1.0, max(0.1, min_matchmaking_time / 5))
         self._one_round = asyncio.Lock()  # rounds run one at a time (a cancelled one may still unwind)
-        self._wakeup = self._poll_now = None  # asyncio.Events of the current round
+        self._wakeup, self._poll_now = (
+            asyncio.Event(),
+            asyncio.Event(),
+        )  # the current round's (new each round)
         self._view: dict[PeerID, float] = {}
         self._declared_until: float | None = None  # the latest time we declared this round
         self._stores: set[asyncio.Task] = set()  # this round's declarations still being stored
-        self._refused: dict[PeerID, tuple[float, float]] = {}
+        self._refused: dict[PeerID, tuple[float | None, float]] = {}
         self._tasks: set[asyncio.Task] = set()
         self.last_leader: PeerID | None = None
         """The leader of the last group we formed (our own id if we led it)."""
@@ -495,6 +499,7 @@ class Matchmaking:
     async def _try_leader(self, leader: PeerID, deadline: float) -> GroupInfo | PeerID | None:
         """Ask `leader` to take us in. Returns the group, a leader to try next, or None."""
         loop = asyncio.get_running_loop()
+        assert self._state.group_key is not None  # (a round is on)
         request = JoinRequest(
             self._state.group_key,
             self._state.schema_hash,
@@ -539,6 +544,7 @@ class Matchmaking:
                 return PeerID(first.suggested_leader)
             return None
         self._deliver(self._state.on_accepted(leader))
+        assert first.time_left is not None  # (JoinResponse checks: ACCEPTED carries time_left)
         return await self._follow(leader, stream, first.time_left, deadline)
 
     async def _follow(
@@ -556,6 +562,7 @@ class Matchmaking:
                     break
                 code = response.join_code
                 if code is JoinCode.ACCEPTED:
+                    assert response.time_left is not None  # (as above)
                     wait_until = loop.time() + response.time_left + self.request_timeout
                     continue
                 if code is JoinCode.BEGIN_ALLREDUCE:

@@ -199,7 +199,8 @@ class MatchmakingState:
             return JoinResponse.refusal(JoinCode.NOT_A_LEADER, "I follow another peer", self.leader)
         if self.declared is None:
             return JoinResponse.refusal(JoinCode.NOT_DECLARED, "I have not declared myself yet")
-        if request.expiration is not None and (request.expiration, peer.to_bytes()) <= self.key:
+        own = (self.declared, self.peer_id.to_bytes())  # our seniority (`key`)
+        if request.expiration is not None and (request.expiration, peer.to_bytes()) <= own:
             return JoinResponse.refusal(JoinCode.BAD_EXPIRATION_TIME, "you declared before me: you lead")
         if peer == self.peer_id or peer in self._followers:
             return JoinResponse.refusal(JoinCode.DUPLICATE_PEER_ID, "you are already in my group")
@@ -256,6 +257,7 @@ class MatchmakingState:
         if self.peer_id not in peers or leader not in peers:
             missing = "us" if self.peer_id not in peers else "itself"
             raise LeaderProtocolError(f"leader {leader} sent a group without {missing}")
+        assert response.group_id is not None  # (JoinResponse checks: BEGIN_ALLREDUCE carries one)
         group = GroupInfo(response.group_id, peers, tuple(response.gathered))
         self.phase = Phase.ASSEMBLED
         return group

@@ -97,7 +97,7 @@ class SpanReducer:
         self.started = asyncio.Event()
         self.reduced = asyncio.Event()
         self.progress = asyncio.Event()
-        self.core: ReducerCore | None = None
+        self._core: ReducerCore | None = None
         self.states: dict[int, MeanPart | ClippedPart] = {}
         self.channels: dict[int, _Channel] = {}
         self.declared: dict[int, float] = {}  # sender -> the weight it stated
@@ -107,12 +107,25 @@ class SpanReducer:
         self.own_verdict: list | None = None
 
     def __repr__(self) -> str:
-        return f"<SpanReducer {self.core!r}>"
+        return f"<SpanReducer {self._core!r}>"
+
+    @property
+    def core(self) -> ReducerCore:
+        """Who is live, who is due and what is complete; made by `start` (streams wait for `started`)."""
+        if self._core is None:
+            raise RuntimeError(f"the reduction of round {self.tag} has not started")
+        return self._core
+
+    def _weight_of(self, sender: int) -> float:
+        """The bounded weight of `sender`: asked for only once the weights are settled."""
+        if self.weights is None:
+            raise RuntimeError(f"round {self.tag}: the weights are not settled yet")
+        return self.weights[sender]
 
     def start(self, now: float) -> list[asyncio.Task]:
         """Begin the round: the background tasks (to cancel when it ends)."""
         r = self.round
-        self.core = ReducerCore(
+        self._core = core = ReducerCore(
             self.num_parts,
             r.senders,
             window=r.window,
@@ -122,7 +135,7 @@ class SpanReducer:
         )
         if r.is_sender:
             self.declared[self.me] = r.weight
-        if self.core.settled:
+        if core.settled:
             self.settle_weights()
         self.started.set()
         tasks = [r._spawn(self._watchdog())]
@@ -196,7 +209,7 @@ class SpanReducer:
         if state is None:
             robust = self.round.robust
             state = self.states[part.index] = ClippedPart(robust) if robust else MeanPart()
-        state.add(sender, values, self.weights[sender], lossy_wire)
+        state.add(sender, values, self._weight_of(sender), lossy_wire)
         self._on_complete(self.core.contribute(sender, part.index, asyncio.get_running_loop().time()))
 
     def _exclude(self, sender: int, reason: str) -> None:
@@ -273,7 +286,7 @@ class SpanReducer:
             self.round._applied[self.me] = index + 1  # in place by the end of this call, or kept
             if self.round.verifying:
                 self.round._answered[self.me].append(radius or 0.0)
-        if average is None:
+        if average is None or state is None:  # (no state, no average)
             keep = AnswerHeader(index, AnswerKind.KEEP, part.numel, dtype_name(dtype), 0).encode()
             for sender in recipients:
                 self.channels[sender].push((keep, None))
@@ -285,7 +298,7 @@ class SpanReducer:
         def header(
             kind: AnswerKind, sender: int, name: str = dtype_name(dtype), compression: int = 0
         ) -> bytes:
-            weight = self.weights[sender] if self.round.verifying and index == 0 else None
+            weight = self._weight_of(sender) if self.round.verifying and index == 0 else None
             return AnswerHeader(index, kind, part.numel, name, compression, radius, weight).encode()
 
         shared = None
@@ -319,21 +332,23 @@ class SpanReducer:
             async with asyncio.timeout(self.round.reducer_timeout):
                 await self._wait_until(lambda: all(s in self.done_senders for s in live_senders()))
         due = [s for s in live_senders() if s in self.done_senders]
-        expected = {s: self.weights[s] for s in due}
+        expected = {s: self._weight_of(s) for s in due}
         if self.round.is_sender and self.weights is not None and self.me in self.weights:
             expected[self.me] = self.weights[self.me]
         seed = os.urandom(SEED_BYTES)
-        self.verifier = Verifier(
+        robust = self.round.robust
+        assert robust is not None  # the round verifies only with robust aggregation
+        self.verifier = verifier = Verifier(
             self.me,
             [self.partition.num_parts(j) for j in range(len(self.peers))],
             expected,
-            self.round.robust,
+            robust,
             self.round.part_precision,
         )
         for sender in due:
             self.channels[sender].push((VerifySeed(seed).encode(), None))
         if self.me in expected:
-            self.verifier.add(self.me, await loop.run_in_executor(None, self.round._make_report, seed))
+            verifier.add(self.me, await loop.run_in_executor(None, self.round._make_report, seed))
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.round.reducer_timeout):
                 await self._wait_until(
@@ -371,6 +386,7 @@ class SpanReducer:
         if sender in self.channels:
             raise SenderExcluded("a second stream from the same sender; one per reducer and round")
         channel = self.channels[sender] = _Channel(stream)
+        assert first.weight is not None  # the runner checked: the first header has group_id and weight
         self.declared[sender] = first.weight
         if self.core.open(sender, asyncio.get_running_loop().time()):
             self.settle_weights()
@@ -423,13 +439,15 @@ class SpanReducer:
                     raise ValueError(f"part {part.index} holds NaN or inf values")
                 lossy = header.compression != CompressionType.NONE
                 self._contribute(sender, part, values, (header, buffer) if lossy else None)
-                received, header, buffer, values = received + 1, None, None, None  # not held while waiting
+                received, header = received + 1, None
+                del buffer, values  # not held while waiting
             if self.round.verifying:
                 VerifyDone.decode(await self._next_frame(frames, "before VerifyDone"))
                 self.done_senders.add(sender)
                 self._notify()
                 report = VerifyReport.decode(await self._next_frame(frames, "before its VerifyReport"))
                 await self._wait_until(lambda: self.verifier is not None)
+                assert self.verifier is not None  # (waited for above)
                 self.verifier.add(sender, report)
                 self._notify()
         except asyncio.CancelledError:

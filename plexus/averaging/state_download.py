@@ -99,7 +99,8 @@ def parse_declaration(subkey: Any, value: Any) -> Donor | None:
         peer_id = PeerID(subkey)
     except ValueError:
         return None
-    priority, raw_addrs = value, ()
+    priority: Any = value
+    raw_addrs: Any = ()
     if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], (tuple, list)):
         priority, raw_addrs = value
     if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):

@@ -259,11 +259,12 @@ class StateSharing:
 
     async def start(self) -> StateSharing:
         """Start serving and declare once (awaited, so newcomers can find us when this returns)."""
-        self._loop, self._wakeup = asyncio.get_running_loop(), asyncio.Event()
+        self._loop = loop = asyncio.get_running_loop()
+        self._wakeup = wakeup = asyncio.Event()
         if not self.client_mode:
             _StateService.register(self.host, self)
             await self._declare()
-            self._declarer = self._loop.create_task(self._declare_loop())
+            self._declarer = loop.create_task(self._declare_loop(wakeup))
         return self
 
     async def shutdown(self) -> None:
@@ -293,6 +294,13 @@ class StateSharing:
             self._priority = value
             self._version += 1
             self._wake()
+
+    @property
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop `start` ran on: all but `state_changed` runs there, once started."""
+        if self._loop is None:
+            raise RuntimeError("the state sharing has not started")
+        return self._loop
 
     def state_changed(self) -> None:
         """The shared state changed (e.g. a round was applied): later requests get a new snapshot."""
@@ -342,14 +350,14 @@ class StateSharing:
         except (Exception, TimeoutError) as error:
             logger.warning(f"could not declare state sharing under {self.prefix!r} in the DHT: {error!r}")
 
-    async def _declare_loop(self) -> None:
+    async def _declare_loop(self, wakeup: asyncio.Event) -> None:
         while True:
             try:  # a periodic refresh, woken early by a priority change
                 async with asyncio.timeout(self.declare_period):
-                    await self._wakeup.wait()
+                    await wakeup.wait()
             except TimeoutError:
                 pass
-            self._wakeup.clear()
+            wakeup.clear()
             await self._declare()
 
     # --- serving -----------------------------------------------------------------------------------
@@ -391,7 +399,7 @@ class StateSharing:
             for index in request.chunks:
                 async with asyncio.timeout(self.upload_stall_timeout):
                     await rpc.write_frame(stream, self._chunk_payload(snapshot, index))
-                snapshot.last_used = self._loop.time()
+                snapshot.last_used = self._running_loop.time()
                 self.chunks_served += 1
         finally:
             self._uploads -= 1
@@ -402,9 +410,9 @@ class StateSharing:
         return snapshot.chunks[index]
 
     async def _current_snapshot(self) -> _Snapshot:
-        self._drop_idle(self._loop.time())
+        self._drop_idle(self._running_loop.time())
         if self._building is None:
-            self._building = self._loop.create_task(self._build_snapshot())
+            self._building = self._running_loop.create_task(self._build_snapshot())
             # its waiters may all be gone by the time it fails: mark the error as seen, they log it
             self._building.add_done_callback(lambda task: task.cancelled() or task.exception())
         return await asyncio.shield(self._building)
@@ -416,12 +424,14 @@ class StateSharing:
             version = self._version
             newest = self._snapshots[-1] if self._snapshots else None
             if newest is not None and (
-                newest.version != version or self._loop.time() - newest.created > self.snapshot_max_age
+                newest.version != version
+                or self._running_loop.time() - newest.created > self.snapshot_max_age
             ):
                 newest = None
             taken = await asyncio.to_thread(self._take_state, newest)
             if taken is None:  # the state has not changed since the newest snapshot
-                newest.last_used = self._loop.time()
+                assert newest is not None  # (_take_state says so only of a snapshot it was given)
+                newest.last_used = self._running_loop.time()
                 return newest
             metadata, copies, infos, priority, sources = taken
             manifest, chunks = await asyncio.to_thread(
@@ -434,7 +444,7 @@ class StateSharing:
                 priority,
             )
             del copies
-            now = self._loop.time()
+            now = self._running_loop.time()
             reply = StateReply(ReplyStatus.OK, manifest=manifest).encode()
             snapshot = _Snapshot(manifest, reply, chunks, now, now, version, sources)
             if len(self._snapshots) >= MAX_SNAPSHOTS:  # replace the least recently used, an idle one if any
@@ -473,11 +483,11 @@ class StateSharing:
         self._sweeper = None
         if self._snapshots:
             when = min(s.last_used for s in self._snapshots) + self.snapshot_retention
-            self._sweeper = self._loop.call_at(when + 0.01, self._sweep)
+            self._sweeper = self._running_loop.call_at(when + 0.01, self._sweep)
 
     def _sweep(self) -> None:
         self._sweeper = None
-        self._drop_idle(self._loop.time())
+        self._drop_idle(self._running_loop.time())
         self._schedule_sweep()
 
     def __repr__(self) -> str:

@@ -72,7 +72,9 @@ SEED_BYTES = 32
 PART_FIELDS = 4  # projection, result norm, distance, radius (0 for a part answered KEEP)
 DETECTION_SIGMAS = 8.0
 RADIUS_SLACK = 4.0  # the adaptive radius is taken at the coordinate median, the distances at the result
-CODEC_ERROR = {  # the largest relative error (of the decoded answer) each lossy method is assumed to make
+CODEC_ERROR: dict[
+    int, float
+] = {  # the largest relative error (of the decoded answer) each lossy method is assumed to make
     CompressionType.NONE: 0.0,
     CompressionType.FLOAT16: 2.0**-10,
     CompressionType.MEANSTD_16BIT: 2.0**-8,
@@ -185,7 +187,8 @@ class Verifier:
         self.reports[sender] = decode_report(report, self.num_parts)
 
     def verdict(self) -> Verdict:
-        bad, reasons = [], {}
+        bad: list[list[int] | None] = []
+        reasons: dict[int, str] = {}
         missing = sorted(set(self.expected) - set(self.reports))
         for span, total in enumerate(self.num_parts):
             if span == self.me:
@@ -260,9 +263,11 @@ def discarded_parts(verdicts: Mapping[int, Sequence[Sequence[int] | None]], num_
     discarded = {}
     for span, total in enumerate(num_parts):
         judged = [
-            verdict[span]
+            judgement
             for verifier, verdict in verdicts.items()
-            if verifier != span and len(verdict) == len(num_parts) and verdict[span] is not None
+            if verifier != span
+            and len(verdict) == len(num_parts)
+            and (judgement := verdict[span]) is not None
         ]
         if not judged or total == 0:
             continue

@@ -75,6 +75,8 @@ def run(args) -> int:
             argv += [f"--{name}", os.path.abspath(value) if name.endswith("_dir") else str(value)]
     sys.path.insert(0, EXAMPLE_DIR)  # the demo imports its sibling modules
     spec = importlib.util.spec_from_file_location("run_demo", script)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load the demo script {script}")
     module = importlib.util.module_from_spec(spec)
     sys.modules["run_demo"] = module  # its flags read their help texts from the module's source
     spec.loader.exec_module(module)
@@ -85,7 +87,7 @@ async def _ping(pings: int) -> int:
     async with Host(host_maddrs=("/ip4/127.0.0.1/tcp/0",)) as first, Host(host_maddrs=()) as second:
         address = first.get_visible_maddrs()[0]
         logger.info(f"first peer is up; to connect other peers to it, use --initial_peers {address}")
-        info = await second.identify((await second.connect(address)).remote_peer, timeout=10)
+        info = await second.identify((await second.connect(address)).peer, timeout=10)
         logger.info(
             f"second peer {second.peer_id} connected; the first peer runs {info.agent_version} "
             f"and speaks {', '.join(info.protocols)}"

@@ -35,8 +35,9 @@ def use_hivemind_log_handler(where: str = "in_hivemind") -> None:
         raise ValueError(f"where must be one of {sorted(HANDLER_PLACES)}, got {where!r}")
     for name in ("plexus", ""):
         remove_plexus_log_handler(name)
-    if HANDLER_PLACES[where] is not None:  # the level: HIVEMIND_LOGLEVEL, else PLEXUS_LOGLEVEL, else INFO
-        use_plexus_log_handler(os.environ.get("HIVEMIND_LOGLEVEL"), logger_name=HANDLER_PLACES[where])
+    logger_name = HANDLER_PLACES[where]
+    if logger_name is not None:  # the level: HIVEMIND_LOGLEVEL, else PLEXUS_LOGLEVEL, else INFO
+        use_plexus_log_handler(os.environ.get("HIVEMIND_LOGLEVEL"), logger_name=logger_name)
 
 
 __all__ = ["CompressionType", "HeapEntry", "MPFuture", "TensorDescriptor", "use_hivemind_log_handler"]

@@ -78,7 +78,7 @@ class P2P:
     @classmethod
     async def replicate(cls, p2p: P2P | Host) -> P2P:
         """The same host, not owned: shutting the replica down leaves the original running."""
-        return cls(getattr(p2p, "host", p2p), owned=False)
+        return cls(p2p.host if isinstance(p2p, P2P) else p2p, owned=False)
 
     @staticmethod
     def generate_identity(identity_path: str) -> None:

@@ -57,7 +57,7 @@ class TensorDescriptor:
         return math.prod(self.size)
 
     def make_zeros(self, **kwargs: Any) -> torch.Tensor:
-        options = dict(
+        options: dict[str, Any] = dict(
             dtype=self.dtype, layout=self.layout, device=self.device, requires_grad=self.requires_grad
         )
         options.update(kwargs)
@@ -122,7 +122,8 @@ def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A zero-copy view of a contiguous CPU tensor's bytes (bfloat16 as its 16-bit pattern)."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return memoryview(tensor.reshape(-1).numpy()).cast("B")
+    array = tensor.reshape(-1).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # numpy declares its buffer for 3.12+ only
 
 
 def join_buffers(*tensors: torch.Tensor) -> bytes:

@@ -52,7 +52,7 @@ def restore_dtype(values: np.ndarray, name: str) -> torch.Tensor:
     if values.dtype == np.float16 and dtype in (torch.float32, torch.bfloat16, torch.float64) and values.size:
         with warnings.catch_warnings():  # read-only bytes: safe, `.to` below copies before anyone writes
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            half = torch.frombuffer(memoryview(values), dtype=torch.float16)
+            half = torch.frombuffer(memoryview(values), dtype=torch.float16)  # type: ignore[arg-type]  # (numpy's stubs)
         return half.to(dtype).reshape(values.shape)  # torch converts half vectorised, numpy element-wise
     target = {torch.float16: np.float16, torch.float64: np.float64}.get(dtype, np.float32)
     if values.dtype != target or not values.flags.writeable:

@@ -62,7 +62,7 @@ class ProgressReading:
 def read_progress(found, now: float, stale_after: float, bounds: ProgressBounds) -> ProgressReading:
     """Sort `dht.get(f"{run_id}_progress", latest=True)` into usable records and skipped ones."""
     reports: dict[str, LocalTrainingProgress] = {}
-    ignored, rejected = 0, []
+    ignored, rejected = 0, list[tuple[str, str]]()
     entries = getattr(found, "value", None)
     if not isinstance(entries, dict):
         return ProgressReading(reports, 0 if found is None else 1)
@@ -143,7 +143,8 @@ class SwarmCollector:
         self._observed_at: float | None = None
         self._history: deque[tuple[float, float | None, int, int]] = deque(maxlen=history)
         self._steps: deque[tuple[int, float, float, float]] = deque(maxlen=max_steps)
-        self._epoch, self._epoch_peak, self._estimated_target = 0, 0, None
+        self._epoch, self._epoch_peak = 0, 0
+        self._estimated_target: int | None = None
 
     def observe(
         self, now: float, reading: ProgressReading, sightings: list[PeerSighting], node: NodeInfo

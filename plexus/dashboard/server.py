@@ -16,11 +16,13 @@ import contextlib
 import importlib.resources
 import json
 import re
+from typing import Any
 
 from ..dht.crypto import Ed25519SignatureValidator
 from ..dht.dht import DHT
 from ..errors import UsageError
 from ..optim.progress_tracker import progress_validators
+from ..p2p.host import Host
 from ..p2p.identity import PeerID
 from ..utils.logging import RateLimitedLog, get_logger
 from ..utils.timing import get_dht_time
@@ -79,7 +81,9 @@ class Dashboard:
             name: (importlib.resources.files(__package__) / "assets" / name).read_text() for name in ASSETS
         }
         self._read_failures = RateLimitedLog(logger)
-        self._runner = self._poller = self._loop = None
+        self._runner: Any = None  # aiohttp's AppRunner, once started
+        self._poller: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         if start:
             self.start()
 
@@ -109,9 +113,10 @@ class Dashboard:
         except OSError as error:
             await runner.cleanup()
             raise UsageError(f"the dashboard cannot listen on {self.host}:{self.port}: {error}") from error
-        self._runner, self._loop = runner, asyncio.get_running_loop()
+        self._runner = runner
+        self._loop = loop = asyncio.get_running_loop()
         self.port = runner.addresses[0][1]
-        self._poller = self._loop.create_task(self._poll(node))
+        self._poller = loop.create_task(self._poll(node))
 
     def record_step(self, step: int, loss: float, samples_per_second: float, time: float) -> None:
         """Add a global step to the loss curve (thread-safe; the monitor calls it)."""
@@ -159,7 +164,7 @@ class Dashboard:
         }
         for name, report in reading.reports.items():  # keyed by the signer, who is the record's peer
             peers.setdefault(name, (PeerID(report.peer_id), None))
-        host = self.dht.host
+        host = self._host()
         for peer_id in host.connected_peers():
             peers.setdefault(str(peer_id), (peer_id, None))
         sightings = [self._sighting(name, peer_id, seen) for name, (peer_id, seen) in peers.items()]
@@ -172,9 +177,14 @@ class Dashboard:
         )
         self.collector.observe(now, reading, sightings[:MAX_SIGHTINGS], node_info)
 
+    def _host(self) -> Host:
+        if self.dht.host is None:
+            raise RuntimeError("the dashboard reads a DHT that is not running")
+        return self.dht.host
+
     def _sighting(self, name: str, peer_id: PeerID, last_seen: float | None) -> PeerSighting:
-        info = self.dht.host.peer_info(peer_id)
-        connections = self.dht.host.connections_to(peer_id)
+        info = self._host().peer_info(peer_id)
+        connections = self._host().connections_to(peer_id)
         return PeerSighting(
             peer_id=name,
             addresses=tuple(str(addr) for addr in info.addrs) if info is not None else (),

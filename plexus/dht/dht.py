@@ -25,7 +25,7 @@ import asyncio
 import concurrent.futures
 import random
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..p2p.auth import AuthorizerBase
 from ..p2p.autonat import AutoNAT, AutoNATService
@@ -46,6 +46,9 @@ from .node import DHTNode
 from .p2p_transport import HostDHTTransport, dial_initial_peers
 from .routing import DHTID
 from .validation import CompositeValidator, RecordValidatorBase
+
+if TYPE_CHECKING:  # imported when first used: only use_ipfs needs it
+    from ..p2p.kad import KademliaClient
 
 logger = get_logger(__name__)
 
@@ -182,7 +185,7 @@ class DHT:
         self.hole_puncher: HolePuncher | None = None
         self.autonat_service: AutoNATService | None = None
         self.autonat: AutoNAT | None = None
-        self.kademlia = None  # plexus.p2p.kad.KademliaClient with use_ipfs
+        self.kademlia: KademliaClient | None = None  # with use_ipfs
         self._announcer: asyncio.Task | None = None
         if self._given_host is not None:
             self.private_key = self._given_host.private_key
@@ -206,6 +209,22 @@ class DHT:
         if start:
             self.run_in_background(await_ready=await_ready)
 
+    @property
+    def _started_host(self) -> Host:
+        """The host, for the code that runs once `_start` has made it."""
+        if self.host is None:
+            raise RuntimeError("the DHT has not started: its host does not exist yet")
+        return self.host
+
+    @property
+    def _started_node(self) -> DHTNode:
+        """The node, for the code that runs once `_start` has made it."""
+        if self.node is None:
+            raise RuntimeError(
+                "the DHT is not running: create it with start=True or call run_in_background()"
+            )
+        return self.node
+
     # --- life cycle --------------------------------------------------------------------------------
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -218,6 +237,10 @@ class DHT:
     start = run_in_background
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
+        if self._ready is None:
+            raise RuntimeError(
+                "the DHT is not running: create it with start=True or call run_in_background()"
+            )
         try:
             self._ready.result(timeout if timeout is not None else self.startup_timeout)
         except concurrent.futures.TimeoutError:
@@ -226,7 +249,7 @@ class DHT:
     async def _start(self) -> None:
         if self._given_host is not None:
             self.host = self._given_host
-            listening = bool(self.host.get_listen_maddrs())
+            listening = bool(self._started_host.get_listen_maddrs())
         else:
             listening = bool(self.host_maddrs)
             self.host = await Host(self.private_key, self.host_options, authorizer=self.authorizer).start()
@@ -234,7 +257,7 @@ class DHT:
             self._start_nat_components(listening)
             if self.use_ipfs:
                 await self._join_kademlia()
-            self.host.peer_router = self._find_peer
+            self._started_host.peer_router = self._find_peer
             initial_peer_ids = await self._connect_to_initial_peers()
             await self._decide_reachability(initial_peer_ids)
             private = self._reachability is Reachability.PRIVATE
@@ -242,16 +265,16 @@ class DHT:
                 await self._reserve_relays(await self._relay_candidates(initial_peer_ids, lookup=False))
             client_mode = self._client_mode
             if client_mode is None:  # "auto": a private peer is a client unless a relay makes it reachable
-                if private and self.use_auto_relay and not self.relay_client.reservations:
+                if private and self.use_auto_relay and not self._is_relayed():
                     await self._reserve_relays(await self._relay_candidates(initial_peer_ids, lookup=True))
-                client_mode = private and not (self.relay_client and self.relay_client.reservations)
+                client_mode = private and not self._is_relayed()
             self.node = await self._create_node(initial_peer_ids, client_mode)
             self._client_mode = client_mode
-            if private and self.use_auto_relay and not client_mode and not self.relay_client.reservations:
+            if private and self.use_auto_relay and not client_mode and not self._is_relayed():
                 await self._reserve_relays(await self._relay_candidates(initial_peer_ids, lookup=True))
             self._advise(private, client_mode)
             if self.relay_limits is not None and listening and not client_mode and not private:
-                self.relay_service = RelayService(self.host, self.relay_limits).start()
+                self.relay_service = RelayService(self._started_host, self.relay_limits).start()
                 if self._reachability is Reachability.PUBLIC:  # listed once we are ready, then kept listed
                     await self._announce_relay_once()
                     self._announcer = asyncio.get_running_loop().create_task(self._announce_relay())
@@ -264,7 +287,7 @@ class DHT:
         return await DHTNode.create(
             node_id=DHTID.generate(source=self.peer_id.to_bytes()),
             initial_peers=initial_peer_ids,
-            rpc=HostDHTTransport(self.host),
+            rpc=HostDHTTransport(self._started_host),
             client_mode=client_mode,
             record_validator=self._record_validator,
             num_workers=self.num_workers,
@@ -276,11 +299,11 @@ class DHT:
     def _start_nat_components(self, listening: bool) -> None:
         if self.use_relay:
             if self.hole_punching and listening:
-                self.hole_puncher = HolePuncher(self.host).start()
+                self.hole_puncher = HolePuncher(self._started_host).start()
             on_inbound = self.hole_puncher.on_inbound_circuit if self.hole_puncher else None
-            self.relay_client = RelayClient(self.host, on_inbound_circuit=on_inbound).start()
+            self.relay_client = RelayClient(self._started_host, on_inbound_circuit=on_inbound).start()
         if self.auto_nat and listening:
-            self.autonat_service = AutoNATService(self.host).start()
+            self.autonat_service = AutoNATService(self._started_host).start()
 
     async def _decide_reachability(self, initial_peer_ids: list[PeerID]) -> None:
         """Ask initial peers to dial us back, when a choice depends on the answer."""
@@ -289,11 +312,11 @@ class DHT:
             return
         servers = []
         for peer in initial_peer_ids[:MAX_AUTONAT_SERVERS]:
-            connection = self.host.get_connection(peer)
+            connection = self._started_host.get_connection(peer)
             if connection is None or getattr(connection, "relayed", False):
                 continue
             try:
-                info = await self.host.identify(peer, timeout=self.startup_timeout / 4)
+                info = await self._started_host.identify(peer, timeout=self.startup_timeout / 4)
             except (TimeoutError, ConnectionError):
                 continue
             if autonat_core.PROTOCOL in info.protocols:
@@ -301,7 +324,7 @@ class DHT:
         if not servers:
             logger.debug("no initial peer serves AutoNAT: reachability stays unknown")
             return
-        self.autonat = AutoNAT(self.host, confidence=min(3, len(servers)))
+        self.autonat = AutoNAT(self._started_host, confidence=min(3, len(servers)))
         try:
             async with asyncio.timeout(self.startup_timeout / 2):
                 self._reachability = await self.autonat.probe(servers, MAX_AUTONAT_SERVERS)
@@ -316,7 +339,7 @@ class DHT:
         candidates: dict[PeerID, list[Multiaddr]] = {}
         if not lookup:
             for peer in initial_peer_ids:
-                info = self.host.peer_info(peer)
+                info = self._started_host.peer_info(peer)
                 if info is not None and HOP_PROTOCOL in info.protocols and not self._is_reserved(peer):
                     candidates[peer] = [addr.with_peer_id(peer) for addr in info.addrs if not addr.is_circuit]
             return [addrs for addrs in candidates.values() if addrs]
@@ -339,6 +362,10 @@ class DHT:
         random.shuffle(relays)  # spread private peers over the announced relays
         return relays
 
+    def _is_relayed(self) -> bool:
+        """Whether some relay holds a slot for us (never without use_relay: there is no relay client)."""
+        return self.relay_client is not None and bool(self.relay_client.reservations)
+
     def _is_reserved(self, relay: PeerID) -> bool:
         return self.relay_client is not None and relay in self.relay_client.reservations
 
@@ -349,10 +376,12 @@ class DHT:
                 logger.warning("use_auto_relay needs use_relay=True; not reserving any relay")
             return
 
+        relay_client = self.relay_client
+
         async def reserve(addrs: list[Multiaddr]) -> None:
             for addr in addrs[:MAX_RELAY_CANDIDATES]:
                 try:
-                    await self.relay_client.reserve(addr)
+                    await relay_client.reserve(addr)
                     return
                 except (
                     RelayError,
@@ -365,13 +394,13 @@ class DHT:
                     logger.debug(f"could not reserve a slot on relay {addr}: {error}")
 
         candidates = candidates[:MAX_RELAY_CANDIDATES]
-        while candidates and len(self.relay_client.reservations) < MAX_RELAYS:
-            batch_size = MAX_RELAYS - len(self.relay_client.reservations)
+        while candidates and len(relay_client.reservations) < MAX_RELAYS:
+            batch_size = MAX_RELAYS - len(relay_client.reservations)
             batch, candidates = candidates[:batch_size], candidates[batch_size:]
             await asyncio.gather(*(reserve(addrs) for addrs in batch))
 
     def _advise(self, private: bool, client_mode: bool) -> None:
-        if not private or client_mode or (self.relay_client and self.relay_client.reservations):
+        if not private or client_mode or self._is_relayed():
             return
         if self.use_auto_relay:
             logger.warning(
@@ -391,9 +420,9 @@ class DHT:
             await self._announce_relay_once()
 
     async def _announce_relay_once(self) -> None:
-        addrs = [str(addr) for addr in self.host.get_visible_maddrs() if not addr.is_circuit]
+        addrs = [str(addr) for addr in self._started_host.get_visible_maddrs() if not addr.is_circuit]
         try:
-            await self.node.store(
+            await self._started_node.store(
                 RELAY_KEY, addrs, get_dht_time() + 2 * RELAY_ANNOUNCE_PERIOD, subkey=str(self.peer_id)
             )
         except Exception as error:  # the next round tries again
@@ -409,7 +438,7 @@ class DHT:
         """ "client" (dials out only), "relay" (reachable through relays) or "direct" (listens itself)."""
         if self._client_mode:
             return "client"
-        return "relay" if self.relay_client is not None and self.relay_client.reservations else "direct"
+        return "relay" if self._is_relayed() else "direct"
 
     @property
     def client_mode(self) -> bool:
@@ -421,10 +450,12 @@ class DHT:
         """Ask connected peers (or `peers`) to dial us back now; returns and records the verdict."""
         servers = [
             peer
-            for peer in (peers or self.host.connected_peers())
-            if (info := self.host.peer_info(peer)) and autonat_core.PROTOCOL in info.protocols
+            for peer in (peers or self._started_host.connected_peers())
+            if (info := self._started_host.peer_info(peer)) and autonat_core.PROTOCOL in info.protocols
         ]
-        self.autonat = AutoNAT(self.host, confidence=max(1, min(3, len(servers))), request_timeout=timeout)
+        self.autonat = AutoNAT(
+            self._started_host, confidence=max(1, min(3, len(servers))), request_timeout=timeout
+        )
         self._reachability = await self.autonat.probe(servers, MAX_AUTONAT_SERVERS)
         return self.reachability
 
@@ -434,7 +465,7 @@ class DHT:
         bootstrap = (
             self.ipfs_bootstrap_peers if self.ipfs_bootstrap_peers is not None else IPFS_BOOTSTRAP_PEERS
         )
-        self.kademlia = KademliaClient(self.host, serve=bool(self.host_maddrs)).start()
+        self.kademlia = KademliaClient(self._started_host, serve=bool(self.host_maddrs)).start()
         try:
             await self.kademlia.bootstrap(
                 [Multiaddr(addr) for addr in bootstrap], timeout=self.startup_timeout / 3
@@ -452,7 +483,7 @@ class DHT:
         )
         ensure_success = self._node_options.get("ensure_bootstrap_success", True)
         return await dial_initial_peers(
-            self.host, self.initial_peers, timeout, ensure_success, dial=self._dial
+            self._started_host, self.initial_peers, timeout, ensure_success, dial=self._dial
         )
 
     async def _find_peer(self, peer_id: PeerID) -> None:
@@ -461,23 +492,23 @@ class DHT:
         `use_ipfs`, the Kademlia DHT is asked too (before we have a node, it is the only way)."""
         if self.node is not None:
             await self.node.find_nearest_nodes([DHTID.generate(source=peer_id.to_bytes())], exclude_self=True)
-        info = self.host.peer_info(peer_id)
+        info = self._started_host.peer_info(peer_id)
         if self.kademlia is not None and not (info and info.addrs):
             await self.kademlia.find_peer(peer_id)
 
     async def _dial(self, addr: Multiaddr, timeout: float) -> PeerID:
-        if addr.protocols() == ["p2p"]:  # /p2p/<id> alone: find its addresses (use_ipfs)
+        if addr.protocols() == ["p2p"] and addr.peer_id is not None:  # /p2p/<id> alone: look it up
             if self.kademlia is None:
                 raise DialError(
                     f"{addr} has no address to dial: give one, or pass use_ipfs=True to look it up"
                 )
             try:
-                connection = await self.host.connect(addr.peer_id, timeout=timeout)
+                connection = await self._started_host.connect(addr.peer_id, timeout=timeout)
             except DialError as error:
                 raise DialError(f"{error} (looked up through the Kademlia DHT)") from None
         else:
-            connection = await self.host.connect(addr, timeout=timeout)
-        return connection.remote_peer
+            connection = await self._started_host.connect(addr, timeout=timeout)
+        return connection.peer
 
     def shutdown(self) -> None:
         """Leave the DHT and close the host. Idempotent; call it from any thread but the loop's."""
@@ -505,7 +536,7 @@ class DHT:
         ):
             if component is not None:
                 await component.stop()
-        if self.host is not self._given_host:
+        if self.host is not None and self.host is not self._given_host:
             await self.host.shutdown()
 
     def is_alive(self) -> bool:
@@ -535,7 +566,7 @@ class DHT:
         return self._call(self.get_async(key, latest), return_future)
 
     async def get_async(self, key: Any, latest: bool = False) -> ValueWithExpiration | None:
-        return await self.node.get(key, latest=latest)
+        return await self._started_node.get(key, latest=latest)
 
     def store(
         self, key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False
@@ -544,11 +575,11 @@ class DHT:
         return self._call(self.store_async(key, value, expiration_time, subkey), return_future)
 
     async def store_async(self, key: Any, value: Any, expiration_time: float, subkey: Any = None) -> bool:
-        return await self.node.store(key, value, expiration_time, subkey=subkey)
+        return await self._started_node.store(key, value, expiration_time, subkey=subkey)
 
     def run_coroutine(self, coroutine: Callable[["DHT", DHTNode], Any], return_future: bool = False):
         """Run `await coroutine(dht, node)` on the DHT's event loop and return its result."""
-        return self._call(coroutine(self, self.node), return_future)
+        return self._call(coroutine(self, self._started_node), return_future)
 
     def add_validators(self, record_validators: Iterable[RecordValidatorBase]) -> None:
         self._record_validator.extend(record_validators)
@@ -558,14 +589,14 @@ class DHT:
         here; in Plexus everything in the process shares the host and the event loop)."""
         if not self._background.in_loop_thread():
             self.wait_until_ready()
-        return self.host
+        return self._started_host
 
     def get_visible_maddrs(self, latest: bool = False) -> list[Multiaddr]:
         """Addresses other peers can use as `initial_peers` to reach this one."""
         if self.client_mode:
             return []
         self.wait_until_ready()
-        return self.host.get_visible_maddrs(include_observed=latest)
+        return self._started_host.get_visible_maddrs(include_observed=latest)
 
     def __repr__(self) -> str:
         return f"<DHT {self.peer_id} {'running' if self.is_alive() else 'stopped'}>"

@@ -71,7 +71,8 @@ class LivenessChecker:
 
     def __init__(self, options: LivenessOptions):
         self.options = options
-        self._tokens, self._refilled_at = float(options.check_burst), None
+        self._tokens = float(options.check_burst)
+        self._refilled_at: float | None = None
         self._checked: OrderedDict[DHTID, float] = OrderedDict()
         self._last_sweep = float("-inf")
 

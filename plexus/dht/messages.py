@@ -19,7 +19,7 @@ msgpack extension, so it is validated like everything else.
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
@@ -91,13 +91,15 @@ def _time(value: Any, where: str) -> float:
     return float(value)
 
 
-def _node_id(value: Any, where: str, optional: bool = False) -> DHTID | None:
-    if value is None and optional:
-        return None
+def _node_id(value: Any, where: str) -> DHTID:
     raw = _bytes(value, where, ID_BYTES)
     if len(raw) != ID_BYTES:
         raise _fail(where, f"a DHT id has {ID_BYTES} bytes, got {len(raw)}")
     return DHTID.from_bytes(raw)
+
+
+def _optional_node_id(value: Any, where: str) -> DHTID | None:
+    return None if value is None else _node_id(value, where)
 
 
 # Find responses repeat the same few peers, and parsing a PeerID costs a base58 encode: remember
@@ -182,7 +184,7 @@ class PingRequest(Message):
     @classmethod
     def _from_wire(cls, fields: list) -> "PingRequest":
         node_id, validate = _fields(fields, "PingRequest", 2)
-        return cls(_node_id(node_id, "PingRequest.node_id", True), _bool(validate, "PingRequest.validate"))
+        return cls(_optional_node_id(node_id, "PingRequest.node_id"), _bool(validate, "PingRequest.validate"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +203,7 @@ class PingResponse(Message):
     def _from_wire(cls, fields: list) -> "PingResponse":
         node_id, dht_time, available = _fields(fields, "PingResponse", 3)
         return cls(
-            _node_id(node_id, "PingResponse.node_id", True),
+            _optional_node_id(node_id, "PingResponse.node_id"),
             _time(dht_time, "PingResponse.dht_time"),
             _bool(available, "PingResponse.available"),
         )
@@ -251,7 +253,7 @@ class StoreRequest(Message):
         node_id, items = _fields(fields, "StoreRequest", 2)
         items = _list(items, "StoreRequest.items", MAX_KEYS_PER_REQUEST)
         return cls(
-            _node_id(node_id, "StoreRequest.node_id", True),
+            _optional_node_id(node_id, "StoreRequest.node_id"),
             tuple(StoreItem._from_wire(item, f"StoreRequest.items[{i}]") for i, item in enumerate(items)),
         )
 
@@ -272,7 +274,7 @@ class StoreResponse(Message):
         node_id, results = _fields(fields, "StoreResponse", 2)
         results = _list(results, "StoreResponse.results", MAX_KEYS_PER_REQUEST)
         return cls(
-            _node_id(node_id, "StoreResponse.node_id", True),
+            _optional_node_id(node_id, "StoreResponse.node_id"),
             tuple(_bool(ok, f"StoreResponse.results[{i}]") for i, ok in enumerate(results)),
         )
 
@@ -297,7 +299,7 @@ class FindRequest(Message):
         node_id, keys = _fields(fields, "FindRequest", 2)
         keys = _list(keys, "FindRequest.keys", MAX_KEYS_PER_REQUEST)
         return cls(
-            _node_id(node_id, "FindRequest.node_id", True),
+            _optional_node_id(node_id, "FindRequest.node_id"),
             tuple(_node_id(key, f"FindRequest.keys[{i}]") for i, key in enumerate(keys)),
         )
 
@@ -325,6 +327,7 @@ class FindResult:
         return self.value is not None or self.entries is not None
 
     def _to_wire(self) -> list:
+        payload: list | bytes | None
         if self.entries is not None:
             kind, payload = 2, [list(entry) for entry in self.entries]
         else:
@@ -357,7 +360,8 @@ class FindResult:
                     cache.pop(next(iter(cache)))
                 cache[(uid, peer)] = neighbour
             neighbours.append(neighbour)
-        value = entries = None
+        value: bytes | None = None
+        entries: tuple[DictionaryEntry, ...] | None = None
         if kind == 0:
             if payload is not None:
                 raise _fail(where, "a not-found result carries no value")
@@ -366,17 +370,17 @@ class FindResult:
             value = _bytes(payload, where + ".value")
         elif kind == 2:
             payload = _list(payload, where + ".entries", MAX_DICTIONARY_ENTRIES)
-            entries = []
+            parsed = []
             for i, entry in enumerate(payload):
                 subkey, item, expiration = _fields(entry, f"{where}.entries[{i}]", 3)
-                entries.append(
+                parsed.append(
                     (
                         _bytes(subkey, f"{where}.entries[{i}].subkey"),
                         _bytes(item, f"{where}.entries[{i}].value"),
                         _time(expiration, f"{where}.entries[{i}].expiration_time"),
                     )
                 )
-            entries = tuple(entries)
+            entries = tuple(parsed)
         else:
             raise _fail(where, f"unknown result kind {kind!r:.20}")
         return cls(value, entries, _time(expiration_time, where + ".expiration_time"), tuple(neighbours))
@@ -432,7 +436,7 @@ class FindResponse(Message):
                             continue
             addressed.append(_addressed_peer(entry, i))
         return cls(
-            _node_id(node_id, "FindResponse.node_id", True),
+            _optional_node_id(node_id, "FindResponse.node_id"),
             tuple(
                 FindResult._from_wire(result, f"FindResponse.results[{i}]")
                 for i, result in enumerate(results)
@@ -482,7 +486,10 @@ def decode_request(data: bytes) -> Request:
     return message
 
 
-def decode_response(data: bytes, expected: type[Message]) -> Message:
+ResponseT = TypeVar("ResponseT", PingResponse, StoreResponse, FindResponse)
+
+
+def decode_response(data: bytes, expected: type[ResponseT]) -> ResponseT:
     """Parse the answer to a request; an `ErrorResponse` becomes `DHTRPCError` with its message."""
     message = Message.decode(data)
     if isinstance(message, ErrorResponse):

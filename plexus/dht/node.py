@@ -23,11 +23,11 @@ node and ends at `shutdown()`.
 import asyncio
 import logging
 import random
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
 from typing import Any
 
 from ..p2p.identity import PeerID
-from ..utils.timing import MAX_DHT_TIME_DISCREPANCY_SECONDS, DHTExpiration, get_dht_time
+from ..utils.timing import MAX_DHT_TIME_DISCREPANCY_SECONDS, get_dht_time
 from .blacklist import Blacklist
 from .cache_refresh import CacheRefreshQueue
 from .diversity import DiversityOptions
@@ -39,9 +39,11 @@ from .messages import (
     ErrorResponse,
     FindRequest,
     FindResponse,
+    FindResult,
     Message,
     PingRequest,
     PingResponse,
+    ResponseT,
     StoreItem,
     StoreRequest,
     StoreResponse,
@@ -55,6 +57,7 @@ from .storage import DHTLocalStorage, StorageLimits
 from .store_and_get import StoreAndGet
 from .transport import DHTBootstrapError, DHTTransport
 from .traverse import Traversal, TraversalRequest
+from .validation import RecordValidatorBase
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,27 @@ def _describe(error: BaseException) -> str:
 
 class DHTNode(StoreAndGet):
     """A DHT participant. Create with `await DHTNode.create(rpc=transport, initial_peers=[...])`."""
+
+    # Set once in `create` (the constructor is private); declared so the checker knows them (the ones
+    # the value layer uses too are declared on `StoreAndGet`).
+    rpc: DHTTransport
+    peer_id: PeerID
+    num_workers: int
+    wait_timeout: float
+    chunk_size: int
+    client_mode: bool
+    refresh_timeout: float | None
+    routing_table: RoutingTable
+    storage_limits: StorageLimits
+    blacklist: Blacklist
+    latency: LatencyEstimator
+    liveness: LivenessChecker
+    _unanswered: Unanswered
+    _rpc_slots: asyncio.Semaphore
+    _tasks: set[asyncio.Task]
+    _evicting: set[DHTID]
+    _sweeping: bool
+    is_alive: bool
 
     def __init__(self, *, _private: bool = False):
         if not _private:
@@ -97,7 +121,7 @@ class DHTNode(StoreAndGet):
         backoff_rate: float = 2.0,
         refresh_timeout: float | None = None,
         client_mode: bool = False,
-        record_validator=None,
+        record_validator: RecordValidatorBase | None = None,
         ensure_bootstrap_success: bool = True,
         bootstrap_timeout: float | None = None,
         storage_limits: StorageLimits | None = None,
@@ -157,6 +181,7 @@ class DHTNode(StoreAndGet):
         self.storage_limits = StorageLimits() if storage_limits is None else storage_limits
         self.storage = DHTLocalStorage(limits=self.storage_limits)
         self.cache = DHTLocalStorage(maxsize=cache_size, limits=self.storage_limits)
+        self.liveness = LivenessChecker(LivenessOptions() if liveness is None else liveness)
         self.protocol = DHTProtocol(
             self.node_id,
             self.routing_table,
@@ -167,7 +192,7 @@ class DHTNode(StoreAndGet):
             client_mode,
             addresses_of=rpc.known_addresses,
             ip_of=rpc.remote_ip,
-            liveness=LivenessChecker(LivenessOptions() if liveness is None else liveness),
+            liveness=self.liveness,
         )
         self.blacklist = Blacklist(blacklist_time, backoff_rate)
         self.latency = LatencyEstimator(
@@ -177,9 +202,9 @@ class DHTNode(StoreAndGet):
         )
         self._unanswered = Unanswered()
         self._rpc_slots = asyncio.Semaphore(parallel_rpc or DEFAULT_PARALLEL_RPC)
-        self._tasks: set[asyncio.Task] = set()
-        self._pending_gets: dict[DHTID, tuple[DHTExpiration, asyncio.Future]] = {}
-        self._evicting: set[DHTID] = set()
+        self._tasks = set()
+        self._pending_gets = {}
+        self._evicting = set()
         self._sweeping = False
         self._refresh_queue = CacheRefreshQueue(max_size=cache_size or 10000)
         self._refresh_wakeup = asyncio.Event()
@@ -189,7 +214,7 @@ class DHTNode(StoreAndGet):
         if cache_locally and cache_refresh_before_expiry > 0:
             self._spawn(self._refresh_cache_loop(), essential=True)
         if refresh_timeout is not None:
-            self._spawn(self._refresh_buckets_loop(), essential=True)
+            self._spawn(self._refresh_buckets_loop(refresh_timeout), essential=True)
         try:
             await self._bootstrap(
                 list(initial_peers), ensure_bootstrap_success, bootstrap_timeout or wait_timeout
@@ -210,7 +235,7 @@ class DHTNode(StoreAndGet):
 
     # background tasks
 
-    def _spawn(self, coroutine, essential: bool = False) -> None:
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any], essential: bool = False) -> None:
         if not essential and len(self._tasks) >= MAX_BACKGROUND_TASKS:
             coroutine.close()
             logger.debug(f"{self!r}: too many background tasks, skipping one")
@@ -232,7 +257,7 @@ class DHTNode(StoreAndGet):
 
     # outgoing requests
 
-    async def _request(self, peer_id: PeerID, request: Message, expected: type[Message]) -> Any:
+    async def _request(self, peer_id: PeerID, request: Message, expected: type[ResponseT]) -> ResponseT:
         """Send one request; on any failure ban the peer and drop it from the table, then re-raise."""
         sent_at_dht = get_dht_time()
         try:
@@ -261,11 +286,11 @@ class DHTNode(StoreAndGet):
                 self._sweep_after_failure(sent_at_dht, now)
             raise
         self.blacklist.register_success(peer_id)
-        if response.node_id is not None and not isinstance(response, ErrorResponse):
+        if response.node_id is not None:  # (an ErrorResponse was raised as DHTRPCError)
             self._perform(self.protocol.peer_seen(response.node_id, peer_id, get_dht_time()))
         return response
 
-    async def _call(self, peer_id: PeerID, request: Message, expected: type[Message]) -> Any:
+    async def _call(self, peer_id: PeerID, request: Message, expected: type[ResponseT]) -> ResponseT | None:
         """Like `_request`, but None instead of an exception, and banned peers are not asked."""
         if self.blacklist.is_banned(peer_id, get_dht_time()):
             return None
@@ -320,7 +345,7 @@ class DHTNode(StoreAndGet):
 
     def _sweep_after_failure(self, sent_at: float, now: float, quiet_entry: bool = False) -> None:
         if not self._sweeping:
-            since = self.protocol.liveness.sweep_after_failure(sent_at, now, quiet_entry)
+            since = self.liveness.sweep_after_failure(sent_at, now, quiet_entry)
             if since is not None:
                 self._sweeping = True
                 self._spawn(self._sweep(since), essential=True)  # one at a time: bounded
@@ -333,7 +358,7 @@ class DHTNode(StoreAndGet):
                 for node_id, peer_id in self.routing_table.not_seen_since(since)
                 if node_id not in self._evicting
             ]
-            slots = asyncio.Semaphore(self.protocol.liveness.options.sweep_concurrency)
+            slots = asyncio.Semaphore(self.liveness.options.sweep_concurrency)
 
             async def check(node_id: DHTID, peer_id: PeerID) -> None:
                 async with slots:
@@ -466,7 +491,11 @@ class DHTNode(StoreAndGet):
             initial[query] = askable[:count]
         return initial
 
-    async def _traverse(self, traversal: Traversal, on_result=None) -> None:
+    async def _traverse(
+        self,
+        traversal: Traversal,
+        on_result: Callable[[TraversalRequest, DHTID, FindResult], None] | None = None,
+    ) -> None:
         """Drive a Traversal: keep its requests in flight, feed it answers, stop when it is done.
         `on_result(request, query, filtered_result)` sees every answer for every query.
 
@@ -575,7 +604,7 @@ class DHTNode(StoreAndGet):
             timeout = None if next_time is None else max(0.0, next_time - get_dht_time())
             try:
                 await asyncio.wait_for(self._refresh_wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._refresh_wakeup.clear()
             now = get_dht_time()
@@ -590,12 +619,12 @@ class DHTNode(StoreAndGet):
                 except Exception:
                     logger.warning(f"{self!r}: refreshing {len(chunk)} cached keys failed", exc_info=True)
 
-    async def _refresh_buckets_loop(self) -> None:
+    async def _refresh_buckets_loop(self, refresh_timeout: float) -> None:
         """Look up a random id in every bucket nobody was seen in for `refresh_timeout` seconds."""
         while self.is_alive:
-            await asyncio.sleep(self.refresh_timeout)
+            await asyncio.sleep(refresh_timeout)
             now = get_dht_time()
-            stale = self.routing_table.stale_buckets(now, self.refresh_timeout)
+            stale = self.routing_table.stale_buckets(now, refresh_timeout)
             queries = [DHTID(random.randrange(bucket.lower, bucket.upper)) for bucket in stale]
             if queries:
                 try:

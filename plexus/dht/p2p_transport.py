@@ -124,7 +124,7 @@ async def dial_initial_peers(
         return []
 
     async def connect(addr: Multiaddr, timeout: float) -> PeerID:
-        return (await host.connect(addr, timeout=timeout)).remote_peer
+        return (await host.connect(addr, timeout=timeout)).peer
 
     dial = dial or connect
     results = await asyncio.gather(*(dial(addr, timeout) for addr in addrs), return_exceptions=True)
@@ -150,7 +150,7 @@ async def open_host_transport(
     """A transport over `host` (or over a new one listening on `host_maddrs`, owned by the
     transport), and the peer ids of `initial_peers`, which may be PeerIDs or multiaddrs to dial."""
     owns_host = host is None
-    if owns_host:
+    if host is None:
         key = load_or_create_identity(identity_path) if identity_path else PrivateKey.generate()
         options = HostOptions(host_maddrs=tuple(host_maddrs), announce_maddrs=tuple(announce_maddrs))
         host = await Host(key, options).start()

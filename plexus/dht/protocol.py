@@ -177,7 +177,8 @@ class DHTProtocol:
         is_new = node_id not in self.routing_table
         ip = self.ip_of(peer_id) if self.ip_of is not None else None
         if is_new and (refusal := self.routing_table.refusal(node_id, ip)) is not None:
-            group = self.routing_table.diversity.group_of(ip)
+            diversity = self.routing_table.diversity
+            group = None if diversity is None else diversity.group_of(ip)
             self._refusals.log(
                 logging.INFO,
                 ("routing diversity", group),

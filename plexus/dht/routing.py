@@ -25,7 +25,7 @@ import hashlib
 import heapq
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, SupportsIndex
 
 from ..p2p.identity import PeerID
 from ..utils.serializer import MSGPackSerializer
@@ -58,11 +58,19 @@ class DHTID(int):
     def xor_distance(self, other: int) -> int:
         return int(self) ^ int(other)
 
-    def to_bytes(self, length: int = ID_BYTES, byteorder: str = "big", *, signed: bool = False) -> bytes:
+    def to_bytes(
+        self,
+        length: SupportsIndex = ID_BYTES,
+        byteorder: Literal["little", "big"] = "big",
+        *,
+        signed: bool = False,
+    ) -> bytes:
         return super().to_bytes(length, byteorder, signed=signed)
 
     @classmethod
-    def from_bytes(cls, raw: bytes, byteorder: str = "big", *, signed: bool = False) -> "DHTID":
+    def from_bytes(  # type: ignore[override]  # only the ID_BYTES-long bytes of an id, unlike int's
+        cls, raw: bytes, byteorder: Literal["little", "big"] = "big", *, signed: bool = False
+    ) -> "DHTID":
         if len(raw) != ID_BYTES:
             raise ValueError(f"a DHTID is {ID_BYTES} bytes, got {len(raw)}")
         return cls(int.from_bytes(raw, byteorder, signed=signed))
@@ -187,17 +195,18 @@ class RoutingTable:
         return self._refusal(node_id, group)
 
     def _refusal(self, node_id: DHTID, group: str | None) -> str | None:
-        if group is None:
+        diversity = self.diversity
+        if group is None or diversity is None:  # a group is known only under diversity options
             return None
         bucket = self.buckets[self.get_bucket_index(node_id)]
         if node_id in bucket.nodes or node_id in bucket.replacements:
             return None
-        limit = self.diversity.max_per_table
+        limit = diversity.max_per_table
         if limit is not None and self.group_sizes[group] >= limit:
             return (
                 f"{group} already has {self.group_sizes[group]} routing-table entries (max_per_table={limit})"
             )
-        limit = self.diversity.max_per_bucket
+        limit = diversity.max_per_bucket
         if limit is not None and (count := self.count_at_distance(group, node_id)) >= limit:
             return f"{group} already has {count} peers at that distance (max_per_bucket={limit})"
         return None

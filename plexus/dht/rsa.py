@@ -98,7 +98,7 @@ class RSAPrivateKey:
         return {"key": self.to_bytes()}
 
     def __setstate__(self, state):
-        self._key = serialization.load_der_private_key(state["key"], password=None)
+        self._key = self.from_bytes(state["key"])._key
 
 
 class RSASignatureValidator(SignatureValidator):

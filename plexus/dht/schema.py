@@ -91,7 +91,7 @@ def _accepts_v1(field, value: Any) -> bool:
     return errors is None and type(validated) is type(value) and validated == value
 
 
-def _field_checks(schema: type) -> Iterator[tuple[str, Callable[[Any], bool], bool]]:
+def _field_checks(schema: type[Any]) -> Iterator[tuple[str, Callable[[Any], bool], bool]]:
     """(key name, check, protected) for every field of a pydantic v2 or v1 model."""
     v1 = sys.modules.get("pydantic.v1")  # a v1 model means pydantic.v1 is imported already
     if v1 is not None and issubclass(schema, v1.BaseModel):
@@ -99,7 +99,10 @@ def _field_checks(schema: type) -> Iterator[tuple[str, Callable[[Any], bool], bo
             yield field.alias or name, functools.partial(_accepts_v1, field), is_protected(field.outer_type_)
         return
     for name, field in schema.model_fields.items():
-        annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+        annotation: Any = field.annotation
+        if field.metadata:
+            arguments = (annotation, *field.metadata)
+            annotation = Annotated[arguments]
         check = functools.partial(_accepts_v2, pydantic.TypeAdapter(annotation))
         yield field.alias or name, check, is_protected(field.annotation)
 

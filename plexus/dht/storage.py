@@ -32,6 +32,8 @@ import dataclasses
 import itertools
 import logging
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 from ..p2p.identity import PeerID
 from ..utils.logging import RateLimitedLog
@@ -101,7 +103,9 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
         self.senders: dict[Subkey, Sender] = {}
         self.accounts: dict[tuple, dict[Subkey, None]] = {}  # ("owner", marker) or ("sender", sender)
         self.by_sender: dict[Sender, dict[Subkey, None]] = {}
-        self.on_forget = None  # called with the sub-key of every entry that leaves
+        self.on_forget: Callable[[Subkey], None] | None = (
+            None  # called with the sub-key of every entry that leaves
+        )
 
     @staticmethod
     def account_of(subkey: Subkey, sender: Sender) -> tuple:
@@ -109,7 +113,12 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
         return ("owner", owner) if owner is not None else ("sender", sender)
 
     def store(
-        self, key: Subkey, value: BinaryValue, expiration_time: float, now: float, sender: Sender = None
+        self,
+        key: Subkey,
+        value: BinaryValue,
+        expiration_time: float,
+        now: float | None = None,
+        sender: Sender = None,
     ) -> bool:
         stored = super().store(key, value, expiration_time, now)
         if stored:
@@ -121,6 +130,8 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
 
     def _forget(self, key: Subkey, item: ValueWithExpiration[BinaryValue]) -> None:
         sender = self.senders.pop(key, None)
+        groups: dict[Any, dict[Subkey, None]]  # accounts or senders, each to the sub-keys they hold
+        group: Any
         for groups, group in ((self.accounts, self.account_of(key, sender)), (self.by_sender, sender)):
             entries = groups.get(group)
             if entries is not None:
@@ -154,7 +165,8 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
                 ranked[self.account_of(subkey, self.senders[subkey])].append(subkey)
             rounds = itertools.zip_longest(*ranked.values())
             queues.append([subkey for round_ in rounds for subkey in round_ if subkey is not None])
-        chosen, size = [], 0
+        chosen: list[tuple[Subkey, ValueWithExpiration[BinaryValue]]] = []
+        size = 0
         for subkey in itertools.chain.from_iterable(itertools.zip_longest(*queues)):
             if subkey is None:
                 continue
@@ -168,10 +180,19 @@ class DictionaryDHTValue(TimedStorage[Subkey, BinaryValue]):
     def __eq__(self, other) -> bool:
         return isinstance(other, DictionaryDHTValue) and self.data == other.data
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # mutable, so unhashable (as dict is)
 
 
 StoredValue = BinaryValue | DictionaryDHTValue
+
+
+def _as_dictionary(
+    item: ValueWithExpiration[StoredValue] | None,
+) -> ValueWithExpiration[DictionaryDHTValue] | None:
+    """`item` if it holds a dictionary value, else None (nothing, or a plain value)."""
+    if item is None or not isinstance(item.value, DictionaryDHTValue):
+        return None
+    return ValueWithExpiration(item.value, item.expiration_time)
 
 
 class _Ledger:
@@ -220,7 +241,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
     def bytes_of(self, sender: Sender) -> int:
         return 0 if self._ledger is None else self._ledger.bytes.get(sender, 0)
 
-    def store(
+    def store(  # type: ignore[override]  # a plain value or one entry, never a whole dictionary
         self,
         key: DHTID,
         value: BinaryValue,
@@ -258,14 +279,14 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
     ) -> bool:
         """Add or update one dictionary entry; fails if a plain value with a later expiration is held
         (an owned entry replaces a plain value whatever its expiration)."""
-        current = self.get(key, now)
+        held = self.get(key, now)
         if expiration_time <= now:
             return False
         owned = owner_of(subkey) is not None
-        if current is not None and not isinstance(current.value, DictionaryDHTValue):
-            if not owned and current.expiration_time >= expiration_time:
+        current = _as_dictionary(held)
+        if held is not None and current is None:  # a plain value
+            if not owned and held.expiration_time >= expiration_time:
                 return False
-            current = None
         if current is not None:
             existing = current.value.get(subkey, now)
             if existing is not None and existing.expiration_time >= expiration_time:
@@ -273,9 +294,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
         if not self._admit(key, subkey, value, expiration_time, now, sender):
             return False
         if current is not None:  # making room for the total may have emptied it
-            current = self.data.get(key)
-        if current is not None and not isinstance(current.value, DictionaryDHTValue):
-            current = None
+            current = _as_dictionary(self.data.get(key))
         if current is not None and not self._make_room_in_key(
             current.value, subkey, expiration_time, now, sender
         ):
@@ -315,8 +334,9 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
 
     def _new_dictionary(self, key: DHTID) -> DictionaryDHTValue:
         dictionary = DictionaryDHTValue()
-        if self._ledger is not None:
-            dictionary.on_forget = lambda subkey: self._ledger.release((key, subkey))
+        ledger = self._ledger
+        if ledger is not None:
+            dictionary.on_forget = lambda subkey: ledger.release((key, subkey))
         return dictionary
 
     def _forget(self, key: DHTID, item: ValueWithExpiration[StoredValue]) -> None:
@@ -351,7 +371,7 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
     ) -> bool:
         """Per-sender quotas, the expiration horizon and the total bound (making room if fair)."""
         limits, ledger = self.limits, self._ledger
-        if limits is None:
+        if limits is None or ledger is None:  # (both or neither)
             return True
         if expiration_time > now + limits.max_expiration:
             return self._refuse(
@@ -393,7 +413,8 @@ class DHTLocalStorage(TimedStorage[DHTID, StoredValue]):
             held.value.remove(subkey)
             if len(held.value) == 0:
                 self.remove(key)
-        self._ledger.release((key, subkey))  # whatever happened above, this booking is gone
+        if self._ledger is not None:  # whatever happened above, this booking is gone
+            self._ledger.release((key, subkey))
 
     def _make_room_in_key(
         self,

@@ -15,19 +15,21 @@ in `DHTNode.create`, and sends through `find_nearest_nodes`, `_traverse` and `_s
 """
 
 import asyncio
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..p2p.identity import PeerID
 from ..utils.serializer import MSGPackSerializer
 from ..utils.timed_storage import ValueWithExpiration
 from ..utils.timing import DHTExpiration, get_dht_time
+from .cache_refresh import CacheRefreshQueue
 from .messages import FindResult, StoreItem
-from .protocol import make_record
+from .protocol import DHTProtocol, make_record
 from .records import merge_found, store_items_of, unpack_found
 from .routing import DHTID
 from .storage import DHTLocalStorage
-from .traverse import TraversalRequest
+from .traverse import Traversal, TraversalRequest
+from .validation import RecordValidatorBase
 
 DHTKey = Any
 Subkey = Any
@@ -35,6 +37,48 @@ Subkey = Any
 
 class StoreAndGet:
     """`store`/`get` and their many-key forms for `DHTNode` (see the module docstring)."""
+
+    # What this mixin uses of the node, all set in `DHTNode.create`; declared so the checker knows them.
+    node_id: DHTID
+    bucket_size: int
+    num_replicas: int
+    cache_locally: bool
+    cache_nearest: int
+    cache_on_store: bool
+    cache_refresh_before_expiry: float
+    reuse_get_requests: bool
+    record_validator: RecordValidatorBase | None
+    storage: DHTLocalStorage
+    cache: DHTLocalStorage
+    protocol: DHTProtocol
+    _pending_gets: dict[DHTID, tuple[DHTExpiration, asyncio.Future]]
+    _refresh_queue: CacheRefreshQueue
+    _refresh_wakeup: asyncio.Event
+
+    if TYPE_CHECKING:  # the node's lookups and sends, defined in node.py
+
+        async def find_nearest_nodes(
+            self,
+            queries: Collection[DHTID],
+            k_nearest: int | None = None,
+            beam_size: int | None = None,
+            num_workers: int | None = None,
+            exclude_self: bool = False,
+        ) -> dict[DHTID, dict[DHTID, PeerID]]: ...
+
+        async def _send_items(self, peer_id: PeerID, items: Sequence[StoreItem]) -> list[bool] | None: ...
+
+        def _new_traversal(
+            self, queries: Collection[DHTID], beam_size: int, num_workers: int | None
+        ) -> Traversal: ...
+
+        async def _traverse(
+            self,
+            traversal: Traversal,
+            on_result: Callable[[TraversalRequest, DHTID, FindResult], None] | None = None,
+        ) -> None: ...
+
+        def _spawn(self, coroutine: Coroutine[Any, Any, Any], essential: bool = False) -> None: ...
 
     # store
 

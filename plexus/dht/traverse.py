@@ -156,9 +156,9 @@ class Traversal:
         p90 = ordered[(9 * len(ordered)) // 10]
         return max(self.min_straggler_timeout, STRAGGLER_FACTOR * p90)
 
-    @property
-    def _give_up_limit(self) -> float:
-        return GIVE_UP_FACTOR * max(self.straggler_limit, self.straggler_timeout)
+    def _give_up_limit(self, straggler_limit: float) -> float:
+        assert self.straggler_timeout is not None  # there is a straggler limit only with a timeout
+        return GIVE_UP_FACTOR * max(straggler_limit, self.straggler_timeout)
 
     def handle_timer(self, now: float) -> None:
         """Turn requests outstanding for the straggler limit or longer into stragglers, oldest
@@ -176,7 +176,7 @@ class Traversal:
                 state = self._states[query]
                 state.in_flight.remove(request.node_id)
                 state.straggling.append(request.node_id)
-        give_up = self._give_up_limit
+        give_up = self._give_up_limit(limit)
         for request in self._stragglers - self._abandoned:
             if request.sent_at + give_up <= now:
                 self._abandoned.add(request)
@@ -189,7 +189,8 @@ class Traversal:
         limit = self.straggler_limit
         if limit is None:
             return None
-        deadlines = [request.sent_at + self._give_up_limit for request in self._stragglers - self._abandoned]
+        give_up = self._give_up_limit(limit)
+        deadlines = [request.sent_at + give_up for request in self._stragglers - self._abandoned]
         if len(self._stragglers) < self.max_stragglers:
             deadlines.extend(request.sent_at + limit for request in self._in_flight)
         return min(deadlines, default=None)

@@ -113,7 +113,9 @@ def serialize_tensors(
     """Each tensor with its descriptor's compression (lossy methods apply to floating tensors only)."""
     result = []
     for tensor, descriptor in zip(tensors, schema, strict=True):
-        compression = descriptor.compression if tensor.is_floating_point() else CompressionType.NONE
+        compression = (
+            CompressionType(descriptor.compression) if tensor.is_floating_point() else CompressionType.NONE
+        )
         result.append(serialize_torch_tensor(tensor.detach(), compression))
     return result
 
@@ -130,7 +132,8 @@ def stream_messages(
     serialized: list[SerializedTensor], chunk_bytes: int = STREAM_CHUNK_BYTES
 ) -> Iterator[list[bytes]]:
     """The tensors as lists of chunk bytes, each list holding at most about `chunk_bytes` of data."""
-    batch, size = [], 0
+    batch: list[bytes] = []
+    size = 0
     for tensor in serialized:
         for chunk in split_for_streaming(tensor, chunk_bytes):
             if batch and size + len(chunk.buffer) > chunk_bytes:

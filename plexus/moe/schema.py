@@ -121,5 +121,5 @@ class BatchTensorDescriptor(Message):
         shape = ", ".join("*" if d is None else str(d) for d in self.shape)
         return (
             f"BatchTensorDescriptor((batch, {shape}), {self.dtype}"
-            f"{', requires_grad' if self.requires_grad else ''}, {self.compression.name})"
+            f"{', requires_grad' if self.requires_grad else ''}, {CompressionType(self.compression).name})"
         )

@@ -96,6 +96,8 @@ class AuthorizerBase(abc.ABC):
 
     @property
     def local_public_key(self) -> PublicKey:
+        if self.local_private_key is None:
+            raise UsageError("the authorizer has no key yet: pass local_private_key, or give it to a Host")
         return self.local_private_key.public_key
 
     @abc.abstractmethod
@@ -154,7 +156,9 @@ class TokenAuthorizerBase(AuthorizerBase):
 
     async def credentials(self) -> bytes:
         await self.refresh_token_if_needed()
-        return self._local_access_token.encode()
+        token = self._local_access_token
+        assert token is not None  # refresh_token_if_needed always leaves one
+        return token.encode()
 
     async def validate(self, peer: PeerID, public_key: PublicKey, credentials: bytes) -> float:
         try:

@@ -43,16 +43,18 @@ import enum
 import mmap
 import sys
 import time
+from collections.abc import Sequence
 
 from ..errors import PeerError
 from ..utils.logging import get_logger
 from .buffer_pool import BufferPool, DecryptBuffers
-from .identity import PeerID, PrivateKey
+from .identity import PeerID, PrivateKey, PublicKey
 from .multiaddr import Multiaddr, from_socket_address
 from .protocols import yamux
 from .protocols.errors import ProtocolError, RemoteProtocolError
 from .protocols.multistream import MultistreamDialer, MultistreamListener
 from .protocols.noise import SUITES, CipherSuite, NoiseHandshake, NoiseTransport
+from .protocols.relay import Limit
 from .stream import Stream
 
 logger = get_logger(__name__)
@@ -101,8 +103,8 @@ class Connection(asyncio.BufferedProtocol):
         self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
         self.noise_suites = noise_suites  # most preferred first
         self.noise_suite: CipherSuite | None = None  # the one agreed on
-        self.remote_peer: PeerID | None = None
-        self.remote_public_key = None
+        self.remote_peer: PeerID | None = None  # known once upgraded (see `peer`)
+        self.remote_public_key: PublicKey | None = None
         self.remote_addr: Multiaddr | None = None
         self.local_addr: Multiaddr | None = None
         self.phase = Phase.UPGRADING
@@ -123,12 +125,19 @@ class Connection(asyncio.BufferedProtocol):
         self._data_arrived = asyncio.Event()
         self._made = asyncio.Event()
         self._eof_received = False
-        self._noise: NoiseTransport | None = None
-        self._yamux: yamux.YamuxSession | None = None
+        # Made by the upgrade; used only once it is done (phase MUXED, or streams that exist).
+        self._noise: NoiseTransport
+        self._yamux: yamux.YamuxSession
+        # Set on relayed connections by the relay client (relay.py).
+        self.relayed = False
+        self.relay_limit: Limit | None = None
+        self.relay_observed_addrs: Sequence[Multiaddr] = ()
         self._outputs = BufferPool(
             NOISE_MESSAGES_PER_WRITE * (NoiseTransport.MAX_PLAINTEXT + 18), MAX_OUTPUT_BUFFERS
         )
-        self._out = self._outputs.get()
+        out = self._outputs.get()
+        assert out is not None  # a new pool has room
+        self._out: mmap.mmap = out
         self._staging = memory[RECEIVE_BUFFER_SIZE:]
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -384,10 +393,14 @@ class Connection(asyncio.BufferedProtocol):
     def _write_out(self, length: int) -> None:
         """Write out[:length]; if the transport kept a view of the buffer, fill another one next (when
         all are kept, hand the transport a copy instead)."""
+        transport = self._transport
+        if transport is None:
+            return
         with memoryview(self._out) as view:
             spare = self._outputs.get()
-            self._transport.write(view[:length] if spare is not None else bytes(view[:length]))
-        if sys.getrefcount(self._out) > 3:  # the pool, the attribute and the argument; more: the transport's
+            transport.write(view[:length] if spare is not None else bytes(view[:length]))
+        # the pool, the attribute and the argument; more: the transport's (never without a spare: copied)
+        if spare is not None and sys.getrefcount(self._out) > 3:
             self._out = spare
 
     # --- used by streams and the host -----------------------------------------------------------
@@ -396,6 +409,13 @@ class Connection(asyncio.BufferedProtocol):
         """Whether a stream we opened is still open: we wait on the peer (yamux: the client opens odd ids)."""
         ours = 1 if self.initiator else 0
         return any(stream_id % 2 == ours for stream_id in self.streams)
+
+    @property
+    def peer(self) -> PeerID:
+        """The remote peer of an upgraded connection (every connection the Host hands out is one)."""
+        if self.remote_peer is None:
+            raise ConnectionClosedError("the connection has not been upgraded: its peer is not known")
+        return self.remote_peer
 
     def keepalive(self) -> None:
         """Ping the peer (a yamux ping), so that both sides see traffic on a connection we still need."""

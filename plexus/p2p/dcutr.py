@@ -28,11 +28,11 @@ import time
 from ..utils.logging import get_logger
 from . import dial_rule
 from .connection import Connection
-from .host import Host
+from .host import Host, PeerInfo
 from .identity import PeerID
 from .multiaddr import Multiaddr, MultiaddrError, parse_host_port
 from .protocols import dcutr as core
-from .protocols.errors import ProtocolError
+from .protocols.errors import ProtocolError, RemoteProtocolError
 from .relay import read_message
 from .stream import Stream, StreamError, write_delimited
 
@@ -67,7 +67,7 @@ class HolePuncher:
 
     def on_inbound_circuit(self, connection: Connection) -> None:
         """A relayed connection arrived: try to upgrade it (we are the spec's inbound peer B)."""
-        task = asyncio.get_running_loop().create_task(self.upgrade(connection.remote_peer))
+        task = asyncio.get_running_loop().create_task(self.upgrade(connection.peer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -122,6 +122,7 @@ class HolePuncher:
         if connection is None:
             return self._record(peer, "failed: no relayed connection to upgrade")
         # The spec's unilateral upgrade first: if the peer listens somewhere we can reach, just dial it.
+        info: PeerInfo | None
         try:  # its addresses arrive with identify, which runs on the new connection
             info = await self.host.identify(peer, timeout=EXCHANGE_TIMEOUT)
         except (TimeoutError, ConnectionError):
@@ -141,6 +142,8 @@ class HolePuncher:
                     if data is None:
                         return self._record(peer, "failed: the peer ended the exchange")
                     dial = punch.receive(data, time.monotonic())
+                    if dial is None:  # never, as the initiator: an answer is a time to dial or an error
+                        raise RemoteProtocolError("the DCUtR answer did not say when to dial")
                     await self._flush(stream, punch)
                     await asyncio.sleep(max(0.0, dial.when - time.monotonic()))  # the spec's half-RTT timer
                     punched = await self._dial(peer, dial.addrs, noise_initiator=True)
@@ -148,7 +151,7 @@ class HolePuncher:
                         await stream.close()
                         return self._record(
                             peer,
-                            f"direct after {punch.attempts} attempt(s), relay rtt {punch.rtt * 1000:.1f} ms",
+                            f"direct after {punch.attempts} attempt(s), relay rtt {(punch.rtt or 0.0) * 1000:.1f} ms",
                         )
                     if not punch.retry():
                         await stream.close()

@@ -42,7 +42,7 @@ def observed_ips(host, peer: PeerID) -> set[str]:
 
 def foreign_addrs(host, peer: PeerID) -> set[tuple[str, int]]:
     """(IP, port) pairs that belong to us or to other connected peers, never to be dialed for `peer`."""
-    endpoints = set()
+    endpoints: set[tuple[str, int] | None] = set()
     for addr in host.get_listen_maddrs() + host.get_visible_maddrs():
         endpoints.add(_endpoint(addr))
     for other in host.connected_peers():
@@ -54,8 +54,7 @@ def foreign_addrs(host, peer: PeerID) -> set[tuple[str, int]]:
         for connection in host.connections_to(other):
             if connection.remote_addr is not None and not getattr(connection, "relayed", False):
                 endpoints.add(_endpoint(connection.remote_addr))
-    endpoints.discard(None)
-    return endpoints
+    return {endpoint for endpoint in endpoints if endpoint is not None}
 
 
 def dialable(host, peer: PeerID, raw_addrs: Iterable[bytes]) -> tuple[list[Multiaddr], list[str]]:

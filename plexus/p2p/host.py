@@ -268,7 +268,7 @@ class Host:
         self._register(connection)
 
     def _register(self, connection: Connection) -> None:
-        peer, limit = connection.remote_peer, self.options.max_connections_per_peer
+        peer, limit = connection.peer, self.options.max_connections_per_peer
         if connection.is_closed:
             return
         if not connection.initiator and len(self._connections.get(peer, ())) >= limit:
@@ -280,9 +280,9 @@ class Host:
             )
             connection.abort("too many connections from this peer")
             return
-        self._connections.setdefault(connection.remote_peer, []).append(connection)
-        if connection.initiator:
-            self.add_addrs(connection.remote_peer, [connection.remote_addr])
+        self._connections.setdefault(peer, []).append(connection)
+        if connection.initiator and connection.remote_addr is not None:
+            self.add_addrs(peer, [connection.remote_addr])
         if self.auth_gate is not None:
             self.auth_gate.connection_opened(connection)
         self._spawn(self.identify_service.run(connection))
@@ -291,6 +291,8 @@ class Host:
         ticket = self._tickets.pop(connection, None)
         if ticket is not None:
             self._inbound.release(ticket)
+        if connection.remote_peer is None:  # it closed before its upgrade finished: never registered
+            return
         connections = self._connections.get(connection.remote_peer, [])
         if connection in connections:
             connections.remove(connection)
@@ -346,6 +348,7 @@ class Host:
         `target` is a multiaddr ending in /p2p/<id> or a peer id whose addresses we know.
         Concurrent calls for the same peer share one dial.
         """
+        peer_id: PeerID | None
         if isinstance(target, PeerID):
             peer_id, addrs = target, None
         else:
@@ -544,7 +547,7 @@ class Host:
                 stream.reset()
                 return
             try:
-                await self._run_handler(stream)
+                await self._run_handler(stream, protocol)
             finally:
                 self._inbound_streams.release((peer, protocol))
         finally:
@@ -578,7 +581,7 @@ class Host:
         stream._unread(listener.unused_data)
         return stream.protocol
 
-    async def _run_handler(self, stream: Stream) -> None:
+    async def _run_handler(self, stream: Stream, protocol: str) -> None:
         """Run the protocol's handler; reset the stream if its first bytes do not come in time."""
         watchdog = None
         if not listener_left_data(stream):
@@ -587,7 +590,7 @@ class Host:
                 self.options.request_timeout, self._check_first_bytes, stream, received
             )
         try:
-            await self._handlers[stream.protocol](stream)
+            await self._handlers[protocol](stream)
         except (StreamError, ConnectionError, asyncio.IncompleteReadError) as error:
             logger.debug(f"{stream.protocol} stream from {stream.remote_peer} broke: {describe(error)}")
             stream.reset()
@@ -637,7 +640,7 @@ class _Gate(asyncio.Protocol):
     def __init__(self, host: Host):
         self.host = host
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # a TCP server's
         self.host._admit(transport)
 
     def data_received(self, data: bytes) -> None:  # the socket was refused: whatever comes is dropped
@@ -670,7 +673,7 @@ def local_ips(family: str) -> list[str]:
     except OSError:
         return ips
     for info in infos:
-        ip = info[4][0].split("%")[0]
+        ip = str(info[4][0]).split("%")[0]
         if ip not in ips and not ip.startswith("127."):
             ips.append(ip)
     return ips

@@ -94,7 +94,7 @@ class IdentifyService:
 
     async def run(self, connection: Connection) -> None:
         """Ask the peer of a new connection who it is (the host calls this once per connection)."""
-        peer = connection.remote_peer
+        peer = connection.peer
         event = self.identified.setdefault(peer, asyncio.Event())
         stream = None
         try:

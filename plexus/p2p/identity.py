@@ -161,7 +161,9 @@ class PeerID:
         multihash = bytes(multihash)
         _check_multihash(multihash)
         self._bytes = multihash
-        self._b58 = None  # encoded on first use: peer ids are compared far more often than printed
+        self._b58: str | None = (
+            None  # encoded on first use: peer ids are compared far more often than printed
+        )
 
     @classmethod
     def from_public_key(cls, public_key: PublicKey) -> "PeerID":

@@ -96,7 +96,7 @@ class KademliaClient:
 
     async def _join(self, addr: Multiaddr, timeout: float) -> None:
         info = await self.host.identify(
-            (await self.host.connect(addr, timeout=timeout)).remote_peer, timeout=timeout
+            (await self.host.connect(addr, timeout=timeout)).peer, timeout=timeout
         )
         if core.PROTOCOL not in info.protocols:
             raise KademliaError(f"{addr.peer_id} does not serve {core.PROTOCOL}")
@@ -132,14 +132,14 @@ class KademliaClient:
                     break
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
-                    peer = running.pop(task)
+                    peer_id = running.pop(task)
                     if task.exception() is None:
-                        lookup.on_answer(peer, task.result())
-                        self.table.add(peer)
+                        lookup.on_answer(peer_id, task.result())
+                        self.table.add(peer_id)
                     else:
-                        logger.debug(f"Kademlia FIND_NODE to {peer} failed: {task.exception()!r}")
-                        lookup.on_failure(peer)
-                        self.table.remove(peer)
+                        logger.debug(f"Kademlia FIND_NODE to {peer_id} failed: {task.exception()!r}")
+                        lookup.on_failure(peer_id)
+                        self.table.remove(peer_id)
         finally:
             for task in running:
                 task.cancel()

@@ -54,7 +54,8 @@ def _to_wire(value):
     if type(value) in _SCALARS:
         return value
     if isinstance(value, Message):
-        return [_to_wire(getattr(value, name)) for name in _field_names(type(value))]
+        fields = _field_names(type(value))  # type: ignore[arg-type]  # classes hash; mypy checks instances' __hash__
+        return [_to_wire(getattr(value, name)) for name in fields]
     if isinstance(value, (list, tuple)):
         return [_to_wire(item) for item in value]
     if isinstance(value, dict):
@@ -63,7 +64,7 @@ def _to_wire(value):
 
 
 @cache
-def _field_names(cls) -> tuple[str, ...]:
+def _field_names(cls: type) -> tuple[str, ...]:
     """Cached because `dataclasses.fields` costs more than packing a small message."""
     return tuple(field.name for field in dataclasses.fields(cls))
 

@@ -147,6 +147,14 @@ def _unix_to_text(raw: bytes) -> str:
     return path
 
 
+def _no_value_to_bytes(text: str) -> bytes:
+    raise _BadValue("this protocol takes no value")
+
+
+def _no_value_to_text(value: bytes) -> str:
+    raise _BadValue("this protocol takes no value")
+
+
 @dataclass(frozen=True)
 class Protocol:
     """One row of the multiaddr protocol table: its name, multicodec code and value codec."""
@@ -154,8 +162,8 @@ class Protocol:
     name: str
     code: int
     size: int  # value size in bits; 0 for none, VARIABLE for length-prefixed
-    to_bytes: Callable[[str], bytes] | None = None
-    to_text: Callable[[bytes], str] | None = None
+    to_bytes: Callable[[str], bytes] = _no_value_to_bytes
+    to_text: Callable[[bytes], str] = _no_value_to_text
 
 
 # Codes and sizes checked against protocols.csv in github.com/multiformats/multiaddr.
@@ -273,7 +281,7 @@ def _parse_bytes(data: bytes) -> list[tuple[Protocol, bytes]]:
         offset += length
         if protocol.size == VARIABLE and not value:
             raise MultiaddrError(f"empty value for /{protocol.name} at byte {start} of binary multiaddr")
-        if protocol.to_text is not None:
+        if protocol.size != 0:
             try:
                 protocol.to_text(value)  # validate now, so every Multiaddr can be printed
             except _BadValue as error:
@@ -326,6 +334,8 @@ class Multiaddr:
     """
 
     __slots__ = ("_bytes", "_parts")
+    _bytes: bytes
+    _parts: tuple[tuple[Protocol, bytes], ...]
 
     def __init__(self, addr: "str | bytes | bytearray | memoryview | Multiaddr"):
         if isinstance(addr, Multiaddr):
@@ -414,10 +424,11 @@ class Multiaddr:
     def with_peer_id(self, peer_id: "PeerID | str") -> "Multiaddr":
         """This address ending in /p2p/<peer_id>. Raises if it already ends in a different peer id."""
         if isinstance(peer_id, str):
+            text = peer_id
             try:
-                peer_id = PeerID.from_string(peer_id)
+                peer_id = PeerID.from_string(text)
             except (IdentityError, ValueError) as error:
-                raise MultiaddrError(f"invalid peer id {_short(peer_id)!r}: {error}") from None
+                raise MultiaddrError(f"invalid peer id {_short(text)!r}: {error}") from None
         current = self.peer_id
         if current == peer_id:
             return self
@@ -477,6 +488,7 @@ def parse_host_port(maddr: "str | bytes | Multiaddr") -> tuple[str, int, str]:
             "optionally followed by /p2p/<peer id>"
         )
     (family, host), (_, port) = parts[0], parts[1]
+    assert host is not None and port is not None  # host protocols and /tcp always carry a value
     return host, int(port), family
 
 

@@ -30,6 +30,7 @@ import ctypes
 import hashlib
 import os
 from pathlib import Path
+from typing import cast
 
 from ..errors import UsageError
 
@@ -37,6 +38,7 @@ KEY_SIZE = 32
 NONCE_SIZE = 24
 BLOCK = 64  # XSalsa20 produces its keystream 64 bytes at a time
 HEADER = "/key/swarm/psk/1.0.0/"
+_NO_TARGET = memoryview(b"")  # between reads: holds no reference to the connection's buffer
 
 
 class SwarmKeyError(UsageError):
@@ -165,16 +167,16 @@ class PrivateNetworkLayer(asyncio.BufferedProtocol, asyncio.Transport):
     def __init__(self, key: bytes, connection: asyncio.BufferedProtocol):
         asyncio.Transport.__init__(self)
         self._key, self._connection = key, connection
-        self._transport: asyncio.Transport | None = None
+        self._transport: asyncio.Transport  # the socket's, from connection_made
         self._nonce = bytearray(NONCE_SIZE)  # the other side's, read first
         self._nonce_read = 0
         self._send = XSalsa20(key, os.urandom(NONCE_SIZE))
         self._receive: XSalsa20 | None = None
-        self._target: memoryview | None = None
+        self._target = _NO_TARGET  # where the connection wants the bytes being read
 
     # --- as the transport's protocol ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # a socket's
         self._transport = transport
         transport.write(self._send.nonce)
         self._connection.connection_made(self)
@@ -182,7 +184,7 @@ class PrivateNetworkLayer(asyncio.BufferedProtocol, asyncio.Transport):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._receive is None:
             return memoryview(self._nonce)[self._nonce_read :]
-        self._target = self._connection.get_buffer(sizehint)
+        self._target = cast(memoryview, self._connection.get_buffer(sizehint))  # a Connection's is one
         return self._target
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -191,7 +193,7 @@ class PrivateNetworkLayer(asyncio.BufferedProtocol, asyncio.Transport):
             if self._nonce_read == NONCE_SIZE:
                 self._receive = XSalsa20(self._key, bytes(self._nonce))
             return
-        target, self._target = self._target, None
+        target, self._target = self._target, _NO_TARGET
         self._receive.apply(target[:nbytes])
         self._connection.buffer_updated(nbytes)
 

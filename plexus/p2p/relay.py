@@ -146,7 +146,7 @@ class RelayService:
             return
         if message.type is HopType.RESERVE:
             await self._reserve(stream)
-        elif message.type is HopType.CONNECT:
+        elif message.type is HopType.CONNECT and message.peer is not None:  # (decode_hop checks it has one)
             await self._connect(stream, message.peer)
         else:
             await self._refuse(stream, Status.UNEXPECTED_MESSAGE)
@@ -208,6 +208,7 @@ class RelayService:
                 raise
             self.circuits_served += 1
             task = asyncio.current_task()
+            assert task is not None  # a coroutine run by the host
             self._pipes.add(task)
             try:
                 await self._bridge(hop, stop)
@@ -355,12 +356,14 @@ class RelayClient:
             raise ValueError(f"{relay_addr}: a relay address must be direct and end in /p2p/<relay id>")
         reservation = await self._reserve_once(relay_addr)
         if keep and reservation.relay not in self._keepers:
-            task = asyncio.get_running_loop().create_task(self._keep(relay_addr))
+            task = asyncio.get_running_loop().create_task(self._keep(relay_addr, reservation.relay))
             self._keepers[reservation.relay] = task
         return reservation
 
     async def _reserve_once(self, relay_addr: Multiaddr) -> ActiveReservation:
         relay = relay_addr.peer_id
+        if relay is None:
+            raise ValueError(f"{relay_addr}: a relay address must end in /p2p/<relay id>")
         async with asyncio.timeout(self.dial_timeout):
             stream = await self.host.new_stream(relay_addr, core.HOP_PROTOCOL)
             try:
@@ -398,9 +401,9 @@ class RelayClient:
             await self.host.push_identify()
         return reservation
 
-    async def _keep(self, relay_addr: Multiaddr) -> None:
+    async def _keep(self, relay_addr: Multiaddr, relay: PeerID) -> None:
         """Renew the reservation before it expires, and again at once if the relay connection drops."""
-        relay, failures = relay_addr.peer_id, 0
+        failures = 0
         while True:
             reservation = self.reservations.get(relay)
             wait = self.renew_period if failures == 0 else min(self.renew_period, 0.5 * 2**failures)
@@ -504,7 +507,7 @@ class RelayClient:
                 except RemoteProtocolError as error:
                     logger.debug(f"malformed stop message from relay {relay}: {error}")
                     return await self._answer_stop(stream, Status.MALFORMED_MESSAGE)
-                if message.type is not StopType.CONNECT:
+                if message.type is not StopType.CONNECT or message.peer is None:  # (decode_stop checks it)
                     return await self._answer_stop(stream, Status.UNEXPECTED_MESSAGE)
                 if relay not in self.reservations and not self.accept_any_relay:
                     return await self._answer_stop(stream, Status.PERMISSION_DENIED)

@@ -22,7 +22,7 @@ host, once a minute per peer.
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from ..errors import PeerError, PeerMisbehaved
@@ -62,7 +62,7 @@ class RPCContext:
     def __init__(self, stream: Stream):
         self.stream = stream
         self.remote_peer: PeerID = stream.remote_peer
-        self.protocol: str = stream.protocol
+        self.protocol: str | None = stream.protocol  # negotiated: never None in a handler
 
 
 class Chunks:
@@ -70,7 +70,7 @@ class Chunks:
     not joined; `b"".join` them for bytes). Keep them only until copied: they pin receive buffers."""
 
 
-def _encode(message) -> bytes:
+def _encode(message) -> bytes | bytearray | memoryview:
     return message if isinstance(message, (bytes, bytearray, memoryview)) else message.encode()
 
 
@@ -130,7 +130,7 @@ async def read_frame(stream: Stream, max_size: int, chunks: bool = False) -> tup
     return kind[0], await stream.readexactly(length) if length else b""
 
 
-async def _read_messages(stream: Stream, message_type, max_size: int, peer=None) -> AsyncIterator:
+async def _read_messages(stream: Stream, message_type, max_size: int, peer=None) -> AsyncIterator[Any]:
     while (frame := await read_frame(stream, max_size, message_type is Chunks)) is not None:
         kind, payload = frame
         if kind == ERROR:
@@ -138,7 +138,9 @@ async def _read_messages(stream: Stream, message_type, max_size: int, peer=None)
         yield _decode(message_type, payload)
 
 
-async def _first_within(messages: AsyncIterator, timeout: float | None, protocol: str) -> AsyncIterator:
+async def _first_within(
+    messages: AsyncIterator[Any], timeout: float | None, protocol: str
+) -> AsyncIterator[Any]:
     """The messages, the first of which must arrive within `timeout` (else RPCProtocolError)."""
     try:
         async with asyncio.timeout(timeout):
@@ -205,6 +207,7 @@ def add_handler(
         try:
             messages = _read_messages(stream, request_type, max_message_size, context.remote_peer)
             requests = _first_within(messages, request_timeout, protocol)
+            request: Any
             if stream_input:
                 request = requests
             else:
@@ -290,7 +293,7 @@ async def call_stream(
     *,
     timeout: float | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
-) -> AsyncIterator:
+) -> AsyncGenerator[Any, None]:
     """Streaming call: `requests` is one message or an async iterable; yields the responses.
 
     Requests are sent by a background task while responses are read, so bidirectional streams

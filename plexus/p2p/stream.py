@@ -16,6 +16,7 @@ from collections import deque
 
 from ..errors import PeerError
 from .identity import PeerID
+from .protocols.multistream import MultistreamDialer
 from .protocols.varint import MAX_VARINT_BYTES, encode_uvarint
 
 
@@ -48,7 +49,7 @@ class Stream:
         self._writable.set()
         self._eof = self._write_closed = False
         self._reset_reason: str | None = None
-        self._negotiation = None  # a MultistreamDialer whose answer is read before any data
+        self._negotiation: MultistreamDialer | None = None  # its answer is read before any data
 
     @property
     def remote_peer(self) -> PeerID:
@@ -76,7 +77,7 @@ class Stream:
         """Wait until data is buffered (True) or the peer ended the stream (False)."""
         while True:
             if self._negotiation is not None and self._buffered:
-                self._finish_negotiation()
+                self._finish_negotiation(self._negotiation)
             if self._buffered and self._negotiation is None:
                 return True
             if self._reset_reason is not None:
@@ -91,7 +92,8 @@ class Stream:
     async def readexactly_chunks(self, n: int) -> list:
         """Exactly n bytes as the received chunks themselves (views, not joined): for a reader that
         copies them straight to where they belong. Raises asyncio.IncompleteReadError at an early EOF."""
-        chunks, missing = [], n
+        chunks: list[bytes | memoryview] = []
+        missing = n
         while missing:
             if not await self._data_buffered():
                 raise asyncio.IncompleteReadError(b"".join(chunks), n)
@@ -103,7 +105,8 @@ class Stream:
 
     async def readexactly(self, n: int) -> bytes:
         """Read exactly n bytes; raises asyncio.IncompleteReadError at an early EOF."""
-        pieces, missing = [], n
+        pieces: list[bytes] = []
+        missing = n
         while missing:
             piece = await self.read(missing)
             if not piece:
@@ -127,7 +130,7 @@ class Stream:
         """Up to `n` bytes already received, without consuming them (b"" if none are), so a
         framing layer can parse a header in place and then read header and body in one call."""
         if self._negotiation is not None and self._buffered:
-            self._finish_negotiation()
+            self._finish_negotiation(self._negotiation)
         if self._negotiation is not None or not self._buffered:
             return b""
         chunk, offset = self._chunks[0], self._offset
@@ -182,9 +185,8 @@ class Stream:
         self._unread_bytes += len(data)
         self._readable.set()
 
-    def _finish_negotiation(self) -> None:
+    def _finish_negotiation(self, dialer: MultistreamDialer) -> None:
         """Feed buffered bytes to the lazily started multistream dialer until it has an answer."""
-        dialer = self._negotiation
         dialer.receive_data(self._take(self._buffered))  # raises NegotiationError if the protocol was refused
         if dialer.selected is not None:
             self._negotiation = None

@@ -20,6 +20,7 @@ address) itself.
 
 import asyncio
 from collections import deque
+from typing import cast
 
 from ..utils.logging import get_logger
 from .stream import Stream, StreamError
@@ -122,7 +123,7 @@ class StreamTransport(asyncio.Transport):
             while data := await stream.read(READ_CHUNK):
                 view = memoryview(data)
                 while view:
-                    buffer = protocol.get_buffer(len(view))
+                    buffer = cast(memoryview, protocol.get_buffer(len(view)))  # a Connection's is one
                     n = min(len(buffer), len(view))
                     buffer[:n] = view[:n]
                     view = view[n:]

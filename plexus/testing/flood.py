@@ -32,7 +32,10 @@ class ConnectionFlood:
         dial_timeout: float = 10.0,
     ):
         self.target = Multiaddr(target) if isinstance(target, str) else target
-        self.peer: PeerID = self.target.peer_id
+        peer = self.target.peer_id
+        if peer is None:
+            raise ValueError(f"{self.target}: the target address must end in /p2p/<peer id>")
+        self.peer: PeerID = peer
         self.host, self.port, _ = parse_host_port(self.target.without_peer_id())
         self.keys = [PrivateKey.generate() for _ in range(identities)] if identities is not None else []
         self.protocol, self.concurrency, self.dial_timeout = protocol, concurrency, dial_timeout

@@ -65,7 +65,7 @@ class MemoryNetwork:
             raise TimeoutError(f"{target} did not answer within {timeout} s")
         try:
             return await asyncio.wait_for(handler(sender, bytes(request)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"{target} did not answer within {timeout} s") from None
         except (asyncio.CancelledError, DHTRPCError):
             raise

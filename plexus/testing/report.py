@@ -124,7 +124,7 @@ class SwarmReport:
         by_process = collections.defaultdict(list)
         for t in self.transitions:
             by_process[t.index, t.incarnation].append(t)
-        held = collections.defaultdict(lambda: collections.defaultdict(list))
+        held: collections.defaultdict = collections.defaultdict(lambda: collections.defaultdict(list))
         for (index, incarnation), moves in by_process.items():
             if not self._honest(index):
                 continue
@@ -138,7 +138,8 @@ class SwarmReport:
 
     def catch_up_loads(self) -> dict[int, int]:
         """{peer slot: state downloads after its processes' first steps}."""
-        counts, stepped = collections.Counter(), set()
+        counts: collections.Counter = collections.Counter()
+        stepped = set()
         for t in sorted(self.transitions, key=lambda t: t.time):
             process = (t.index, t.incarnation)
             if t.kind == "load" and process in stepped:
@@ -216,7 +217,7 @@ class SwarmReport:
         return [pid for m in self.finished() for pid in m.children]
 
     def warnings(self) -> collections.Counter:
-        total = collections.Counter()
+        total: collections.Counter = collections.Counter()
         for m in self.finished():
             total.update(m.warnings)
         return total

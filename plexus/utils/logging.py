@@ -34,6 +34,12 @@ def get_logger(name: str | None = None) -> logging.Logger:
     return logging.getLogger(name or _ROOT)
 
 
+class _PlexusStreamHandler(logging.StreamHandler):
+    """The handler Plexus adds, marked so it is added once and removed again by name."""
+
+    _plexus = True
+
+
 def use_plexus_log_handler(level: str | None = None, stream=None, logger_name: str = _ROOT) -> None:
     """Install the Plexus format on the `plexus` logger, or on another one such as the root
     logger (`logger_name=""`) to format an application's own logs too (idempotent)."""
@@ -42,9 +48,8 @@ def use_plexus_log_handler(level: str | None = None, stream=None, logger_name: s
     logger.setLevel(level.upper())
     if any(getattr(handler, "_plexus", False) for handler in logger.handlers):
         return
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = _PlexusStreamHandler(stream or sys.stderr)
     handler.setFormatter(_Formatter("%(asctime)s [%(levelname)s] [%(short_name)s] %(message)s"))
-    handler._plexus = True
     logger.addHandler(handler)
     if logger_name == _ROOT:
         logger.propagate = False

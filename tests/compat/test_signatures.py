@@ -113,3 +113,16 @@ def test_schema_validator_takes_v1_and_v2_models(schema):
         await asyncio.gather(alice.shutdown(), bob.shutdown())
 
     asyncio.run(main())
+
+
+def test_an_unpickled_rsa_key_must_be_an_rsa_key():
+    # A pickled key is a DER blob; one of another kind (here Ed25519) is refused, not half-loaded.
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    other = ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    key = pickle.loads(pickle.dumps(RSAPrivateKey()))
+    with pytest.raises(TypeError, match="not an RSA private key"):
+        key.__setstate__({"key": other})

@@ -104,7 +104,7 @@ class Daemon:
             if os.path.exists(self.control_socket):
                 try:
                     peer_id, addrs = await client.identify()
-                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as error:
+                except (TimeoutError, OSError, asyncio.IncompleteReadError) as error:
                     last_error = error
                 else:
                     if peer_id != self.peer_id:

@@ -72,7 +72,7 @@ class MoEBeamSearcher:
     ) -> dict[ExpertPrefix, Successors]:
         """The populated next coordinates of each prefix (empty dict: none), from one DHT lookup."""
         found = await node.get_many(list(prefixes))
-        result = {}
+        result: dict[ExpertPrefix, Successors] = {}
         for prefix in prefixes:
             record = found.get(prefix)
             depth = prefix[len(self.uid_prefix) :].count(UID_DELIMITER)
@@ -169,7 +169,7 @@ class MoEBeamSearcher:
         up best first, `beam_size` per DHT lookup, until enough are found or none are left."""
         scores = _as_floats(scores)
         order = sorted(range(len(scores)), key=lambda index: -scores[index])
-        beam = []
+        beam: list[tuple[float, ExpertPrefix, Successors]] = []
         while order and len(beam) < beam_size:
             batch, order = order[:beam_size], order[beam_size:]
             prefixes = [f"{self.uid_prefix}{index}{UID_DELIMITER}" for index in batch]

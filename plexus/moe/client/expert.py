@@ -220,7 +220,7 @@ class RemoteExpert(nn.Module):
     def schema(self) -> ExpertSchema:
         """The expert's schema, fetched from the server on first use."""
         if self._schema is None:
-            self._run(self.get_schema())
+            return self._run(self.get_schema())
         return self._schema
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -248,7 +249,8 @@ class RemoteMixtureOfExperts(nn.Module):
         """[batch, k] logits of the chosen experts: the sums of their coordinates' gate scores, one
         [batch, size] score tensor per coordinate of their uids."""
         coordinates = self.chosen_coordinates(chosen, grid_scores[0].device, dims=len(grid_scores))
-        return sum(scores.gather(1, coordinates[..., dim]) for dim, scores in enumerate(grid_scores))
+        total = sum(scores.gather(1, coordinates[..., dim]) for dim, scores in enumerate(grid_scores))
+        return cast(torch.Tensor, total)  # a grid has at least one dimension, so never sum()'s 0
 
     def expert_weights(self, grid_scores, chosen, mask: torch.Tensor) -> torch.Tensor:
         """Softmax over the experts that answered; all-zero for a sample none answered."""

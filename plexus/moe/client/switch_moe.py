@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -109,7 +110,8 @@ class RemoteSwitchMixtureOfExperts(RemoteMixtureOfExperts):
 
     def compute_balancing_loss(self, grid_probs: Sequence[torch.Tensor]) -> torch.Tensor:
         """sum over dims of size * <mean probability, utilisation>: 1 per dimension when balanced."""
-        return sum(
+        total = sum(
             size * (probs.mean(dim=0) * utilization.to(probs)).sum()
             for size, probs, utilization in zip(self.grid_size, grid_probs, self.grid_utilization)
         )
+        return cast(torch.Tensor, total)  # a grid has at least one dimension, so never sum()'s 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -62,7 +62,7 @@ def save_expert(backend: ModuleBackend, checkpoint_dir: Path, keep_last: int = D
     """Write one checkpoint of `backend` and point checkpoint_last.pt at it; returns its path."""
     expert_dir = _checked_dir(checkpoint_dir, backend.name)
     expert_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     path = expert_dir / f"checkpoint_{stamp}.pt"
     state = backend.state_dict()
     _atomic_write(path, lambda file: torch.save(state, file))

@@ -17,6 +17,7 @@ no optimizer step and clears the parameters' gradients, so the expert stays exac
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,7 +83,7 @@ class ModuleBackend:
             self.outputs_schema, self.outputs_tuple = (outputs_schema,), False
         else:
             self.outputs_schema, self.outputs_tuple = tuple(outputs_schema), True
-        pool_options = dict(
+        pool_options: dict[str, Any] = dict(
             max_batch_size=max_batch_size,
             min_batch_size=min_batch_size,
             timeout=timeout,

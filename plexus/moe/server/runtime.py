@@ -180,7 +180,7 @@ class TaskPool:
                 for owner in owners:
                     queue = self._queues.get(owner)
                     task = next((task for task in queue if not task.future.done()), None) if queue else None
-                    if task is None or rows + task.size > self.max_batch_size:
+                    if task is None or queue is None or rows + task.size > self.max_batch_size:
                         continue
                     if signature is not None and task.signature() != signature:
                         continue
@@ -314,7 +314,8 @@ class Runtime:
 
     def _choose(self, now: float) -> tuple[TaskPool | None, list[Hashable], float]:
         """(pool to serve, its owners in the order to serve them, seconds to sleep if none)."""
-        ready, waiting, next_deadline = [], {}, now + 1.0
+        waiting: dict[Hashable, int] = {}
+        ready, next_deadline = [], now + 1.0
         for pool in self.pools:
             polled = pool._poll(now)
             if polled is None:

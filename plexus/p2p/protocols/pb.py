@@ -50,6 +50,7 @@ def decode(schema: dict, data) -> dict:
     result: dict = {name: [] for name, (_, kind) in schema.items() if kind.endswith("*")}
     data = memoryview(data)
     offset = 0
+    value: int | bytes
     try:
         while offset < len(data):
             tag, offset = decode_uvarint(data, offset)

@@ -19,6 +19,7 @@ depth at which the answer was found: 1 for a peer we knew, 2 for a peer one of t
 """
 
 import dataclasses
+from collections.abc import Callable
 
 from ...dht.blacklist import Blacklist
 from ...dht.latency import DEFAULT_FLOOR, LatencyEstimator
@@ -97,7 +98,7 @@ class SimDHTNode:
         self.latency = LatencyEstimator(ceiling=o.wait_timeout, floor=min(DEFAULT_FLOOR, o.wait_timeout))
         self.alive = True
         self._evicting: set[DHTID] = set()
-        self.services: dict[type, object] = {}
+        self.services: dict[type, Callable[..., None]] = {}
         """Handlers `(sender_id, message, reply)` for messages that are not the DHT's, by type."""
         peer.handler = self._serve
 
@@ -289,7 +290,7 @@ class SimDHTNode:
             on_done(best, LookupStats(0.0, 0, 0))
             return
         answers = []
-        found_at = []
+        found_at: list[int] = []
 
         def on_result(request, depth: int, result) -> None:
             now = self.sim.now

@@ -226,7 +226,7 @@ def _fold(total: int) -> int:
     return total
 
 
-def _ip_checksum(header: bytes) -> bytes:
+def _ip_checksum(header: bytes | bytearray) -> bytes:
     total = sum(int.from_bytes(header[i : i + 2], "big") for i in range(0, len(header), 2))
     return (~_fold(total) & 0xFFFF).to_bytes(2, "big")
 

@@ -72,7 +72,8 @@ def recv_json(connection: socket.socket) -> dict:
 def sink(connection: socket.socket) -> dict:
     """Read to end of stream: the total and the bytes per BIN seconds from the first byte."""
     buffer = bytearray(CHUNK)
-    total, bins, first = 0, [], None
+    bins: list[int] = []
+    total, first = 0, None
     while n := connection.recv_into(buffer):
         now = time.monotonic()
         first = now if first is None else first
@@ -263,7 +264,7 @@ def _receive_session(sock, address, session: bytes, count: int, interval: float,
     """Ask the server for a session and record it, until all came or `drain` s after the last was due."""
     sock.sendto(UDP_REQUEST.pack(b"Q", session, count, interval, size), address)
     deadline = time.monotonic() + count * interval + drain
-    record = []
+    record: list[tuple[int, float]] = []
     while len(record) < count and (left := deadline - time.monotonic()) > 0:
         sock.settimeout(left)
         try:

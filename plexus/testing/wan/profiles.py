@@ -20,6 +20,8 @@ off on random loss, so for it the link's goodput is the bound.
 import dataclasses
 import math
 import re
+from collections.abc import Callable
+from typing import Any
 
 from ...errors import UsageError
 
@@ -184,7 +186,7 @@ def parse_loss(value) -> float:
 
 def profile_from_fields(fields: dict, base: LinkProfile | None = None, where: str = "profile") -> LinkProfile:
     """A profile from config fields (down, up, rtt, jitter, loss, nat, queue), over `base` if given."""
-    readers = {
+    readers: dict[str, Callable[[Any], Any]] = {
         "down": parse_rate,
         "up": parse_rate,
         "rtt": parse_duration,

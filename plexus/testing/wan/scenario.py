@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections.abc import Mapping
 
 from ...errors import UsageError
@@ -72,13 +73,6 @@ class Scenario:
 
 def load_scenario(path: str) -> Scenario:
     """Read a scenario file (TOML; see the module docstring)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise UsageError("reading TOML needs Python 3.11 or `pip install tomli`") from None
     try:
         with open(path, "rb") as file:
             config = tomllib.load(file)
@@ -118,7 +112,7 @@ def _check_keys(table: Mapping, allowed: set, where: str) -> None:
 def _profiles(table: Mapping, where: str) -> dict[str, LinkProfile]:
     if not isinstance(table, Mapping):
         raise UsageError(f"{where} [profiles]: expected tables of link fields, got {table!r}")
-    profiles = {}
+    profiles: dict[str, LinkProfile] = {}
     for name, fields in table.items():
         fields = dict(fields)
         base = fields.pop("base", None)

@@ -18,8 +18,8 @@ import sys
 
 from ..p2p.host import Host
 from ..utils.logging import get_logger
+from . import checks
 
-HELP = "pre-train a tiny ALBERT with a local swarm (monitor, 3 trainers, 1 client-mode trainer)"
 logger = get_logger(__name__)
 EXAMPLE_DIR = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "albert"
@@ -28,23 +28,39 @@ PASSED_ON = ("steps", "trainers", "client_trainers", "host", "target_batch_size"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, help="stop after this many global steps (default 30)")
-    parser.add_argument("--trainers", type=int, help="trainers that accept connections (default 3)")
-    parser.add_argument("--client_trainers", type=int, help="trainers in client mode (default 1)")
     parser.add_argument(
-        "--host", help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)"
-    )
-    parser.add_argument("--target_batch_size", type=int, help="samples per global step (default 256)")
-    parser.add_argument(
-        "--data_dir", help="corpus and tokenized data, built if missing (default examples/albert/data)"
+        "--steps", type=checks.positive_int, help="stop after this many global steps (default 30)"
     )
     parser.add_argument(
-        "--run_dir", help="logs, metrics and the loss curve (default examples/albert/data/demo_run)"
+        "--trainers", type=checks.positive_int, help="trainers that accept connections (default 3)"
+    )
+    parser.add_argument(
+        "--client_trainers", type=checks.non_negative_int, help="trainers in client mode (default 1)"
+    )
+    parser.add_argument(
+        "--host",
+        type=checks.ip_address,
+        help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--target_batch_size", type=checks.positive_int, help="samples per global step (default 256)"
+    )
+    parser.add_argument(
+        "--data_dir",
+        type=checks.directory_to_use,
+        help="corpus and tokenized data, built if missing (default examples/albert/data)",
+    )
+    parser.add_argument(
+        "--run_dir",
+        type=checks.directory_to_use,
+        help="logs, metrics and the loss curve (default examples/albert/data/demo_run)",
     )
     parser.add_argument(
         "--ping-only", action="store_true", help="only start two peers and ping one from the other"
     )
-    parser.add_argument("--pings", type=int, help="how many pings (default 5); implies --ping-only")
+    parser.add_argument(
+        "--pings", type=checks.positive_int, help="how many pings (default 5); implies --ping-only"
+    )
 
 
 def run(args) -> int:

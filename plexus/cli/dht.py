@@ -17,9 +17,9 @@ import threading
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
+from . import checks
 from .config import add_config_argument, add_peer_arguments
 
-HELP = "run a DHT peer that others can bootstrap from"
 logger = get_logger(__name__)
 
 
@@ -33,6 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--relays",
         nargs="*",
+        type=checks.multiaddr,
         default=[],
         metavar="MADDR",
         help="relays for --use_auto_relay (default: initial peers that relay, then the DHT's)",
@@ -50,12 +51,16 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--ipfs_bootstrap_peers",
         nargs="*",
+        type=checks.multiaddr,
         default=None,
         metavar="MADDR",
         help="where to join the Kademlia DHT for --use_ipfs (default: the IPFS bootstrap peers)",
     )
     parser.add_argument(
-        "--refresh_period", type=float, default=30.0, help="seconds between status lines (default 30)"
+        "--refresh_period",
+        type=checks.positive_float,
+        default=30.0,
+        help="seconds between status lines (default 30)",
     )
     add_config_argument(parser)
 

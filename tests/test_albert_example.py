@@ -1,7 +1,7 @@
 """The ALBERT example's data pipeline, model and scripts, on small inputs (no swarm involved).
 
 Scripts run as subprocesses, the way users run them; their building blocks are also imported
-directly (examples/albert is put on sys.path) to check invariants on many cases quickly.
+directly (from plexus.examples.albert) to check invariants on many cases quickly.
 """
 
 import json
@@ -20,12 +20,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "albert")
-sys.path.insert(0, EXAMPLE)
 
-import corpus  # noqa: E402
-import data  # noqa: E402
-import model as albert_model  # noqa: E402
-import tokenize_corpus  # noqa: E402
+from plexus.examples.albert import corpus, data, tokenize_corpus  # noqa: E402
+from plexus.examples.albert import model as albert_model  # noqa: E402
 
 SCRIPTS = [
     "make_demo_corpus.py",

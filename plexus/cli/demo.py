@@ -4,9 +4,9 @@
     plexus demo --steps 10 --trainers 2 --client_trainers 0
     plexus demo --ping-only         # just two peers that ping each other (no ML libraries needed)
 
-The swarm is examples/albert/run_demo.py from a checkout of the repository (install with
-`pip install -e ".[albert]"`, or run `make demo`). It builds a small English corpus and a tokenizer
-once, shows a live view of the peers, the global epoch, the loss and the samples/s, prints the
+The swarm is plexus.examples.albert.run_demo (the repository's examples/albert/run_demo.py runs
+the same); it needs the `albert` extra: pip install "plexus[albert]". It builds a small English
+corpus (from the documentation of installed packages: no download) and a tokenizer once, shows a live view of the peers, the global epoch, the loss and the samples/s, prints the
 `--initial_peers` line another machine could join with, and ends with a summary and the loss curve
 (PNG and CSV). Ctrl+C stops every process it started.
 """
@@ -14,16 +14,13 @@ once, shows a live view of the peers, the global epoch, the loss and the samples
 import asyncio
 import importlib.util
 import os
-import sys
 
+from ..errors import UsageError
 from ..p2p.host import Host
 from ..utils.logging import get_logger
 from . import checks
 
 logger = get_logger(__name__)
-EXAMPLE_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "albert"
-)
 PASSED_ON = ("steps", "trainers", "client_trainers", "host", "target_batch_size", "data_dir", "run_dir")
 
 
@@ -48,12 +45,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--data_dir",
         type=checks.directory_to_use,
-        help="corpus and tokenized data, built if missing (default examples/albert/data)",
+        help="corpus and tokenized data, built if missing (default ./data)",
     )
     parser.add_argument(
         "--run_dir",
         type=checks.directory_to_use,
-        help="logs, metrics and the loss curve (default examples/albert/data/demo_run)",
+        help="logs, metrics and the loss curve (default ./data/demo_run)",
     )
     parser.add_argument(
         "--ping-only", action="store_true", help="only start two peers and ping one from the other"
@@ -66,35 +63,24 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.ping_only or args.pings is not None:
         return asyncio.run(_ping(5 if args.pings is None else args.pings))
-    script = os.path.join(EXAMPLE_DIR, "run_demo.py")
-    if not os.path.exists(script):
-        logger.error(
-            f"the demo needs the repository's examples/albert (looked for {script}); clone the "
-            f'repository and install it with pip install -e ".[albert]", or try plexus demo --ping-only'
-        )
-        return 1
     missing = [
         name
         for name in ("transformers", "tokenizers", "accelerate")
         if importlib.util.find_spec(name) is None
     ]
     if missing:
-        logger.error(
-            f'the demo needs {", ".join(missing)}: pip install -e ".[albert]" from the repository root '
-            f"(make demo does it for you)"
+        raise UsageError(
+            f'the demo needs {", ".join(missing)}: pip install "plexus[albert]" (from a checkout: '
+            f'pip install -e ".[albert]", or make demo); plexus demo --ping-only needs none of them'
         )
-        return 1
+    from ..examples.albert import run_demo
+
     argv = []
     for name in PASSED_ON:
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name}", os.path.abspath(value) if name.endswith("_dir") else str(value)]
-    sys.path.insert(0, EXAMPLE_DIR)  # the demo imports its sibling modules
-    spec = importlib.util.spec_from_file_location("run_demo", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_demo"] = module  # its flags read their help texts from the module's source
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return run_demo.main(argv)
 
 
 async def _ping(pings: int) -> int:

@@ -152,10 +152,10 @@ def package_licence(name: str) -> str:
     return licence.splitlines()[0] if licence else "see the package's metadata"
 
 
-def main():
-    from flags import apply_flags
+def main(argv: list[str] | None = None):
+    from .flags import apply_flags
 
-    apply_flags(globals(), __doc__)
+    apply_flags(globals(), __doc__, argv)
     names = [p for p in packages.split(",") if p]
     stdlib = sysconfig.get_paths()["stdlib"]
     python = f"Python {sys.version.split()[0]}"
@@ -204,4 +204,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from plexus.cli.errors import exit_with
+
+    exit_with(main)

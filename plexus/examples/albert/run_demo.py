@@ -3,7 +3,7 @@
 
     make demo                                  # from the repository root: sets up .venv, then this
     plexus demo --steps 40                     # the same, as a command
-    python run_demo.py --steps 10 --trainers 2 --client_trainers 0
+    python run_demo.py --steps 10 --trainers 2 --client_trainers 0     # in examples/albert
 
 What happens: the demo corpus and tokenizer are built once (data/, ~1 minute, cached). Then a
 training monitor starts on 127.0.0.1 and prints the --initial_peers line; three trainers and one
@@ -37,12 +37,12 @@ learning_rate = 0.05  # LAMB's peak, reached after warmup_steps global steps
 warmup_steps = 10  # global steps of linear warm-up
 matchmaking_time = 2.0  # seconds to gather the group for averaging
 # -- files --
-data_dir = "data"  # the corpus and tokenized data, built here if missing (relative to this folder)
-run_dir = "data/demo_run"  # logs, metrics, loss.png and loss.csv; emptied at start (relative to this folder)
+data_dir = "data"  # the corpus and tokenized data, built here if missing (relative to the current folder)
+run_dir = (
+    "data/demo_run"  # logs, metrics, loss.png and loss.csv; emptied at start (relative to the current folder)
+)
 timeout = 1200.0  # give up if the swarm has not finished by then (seconds)
 refresh = 1.0  # seconds between updates of the view
-
-EXAMPLE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def prepare_data(data_path: str) -> str:
@@ -52,16 +52,22 @@ def prepare_data(data_path: str) -> str:
     if not os.path.exists(os.path.join(corpus, "corpus.txt")):
         print(f"Building the demo corpus in {corpus} (once, ~30 s)...", flush=True)
         subprocess.run(
-            [sys.executable, "make_demo_corpus.py", "--output_dir", corpus],
-            cwd=EXAMPLE_DIR,
+            [sys.executable, "-m", f"{__package__}.make_demo_corpus", "--output_dir", corpus],
             env=env,
             check=True,
         )
     if not os.path.exists(os.path.join(tokenized, "meta.json")):
         print(f"Training a tokenizer and tokenizing into {tokenized} (once, ~30 s)...", flush=True)
         subprocess.run(
-            [sys.executable, "tokenize_corpus.py", "--input_path", corpus, "--output_dir", tokenized],
-            cwd=EXAMPLE_DIR,
+            [
+                sys.executable,
+                "-m",
+                f"{__package__}.tokenize_corpus",
+                "--input_path",
+                corpus,
+                "--output_dir",
+                tokenized,
+            ],
             env=env,
             check=True,
         )
@@ -188,7 +194,7 @@ def read_rows(path: str) -> list[dict]:
 
 def summarize(rows: list[dict], peers_seen: int, duration: float) -> dict:
     """Write loss.csv and loss.png; return the numbers the summary prints."""
-    from plot import write_line_plot
+    from .plot import write_line_plot
 
     with open(os.path.join(run_dir, "loss.csv"), "w", newline="") as f:
         writer = csv.writer(f)
@@ -215,15 +221,14 @@ def summarize(rows: list[dict], peers_seen: int, duration: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flags import apply_flags
+    from .flags import apply_flags
 
     apply_flags(globals(), __doc__, argv)
-    sys.path.insert(0, EXAMPLE_DIR)
-    from swarm import LocalSwarm, SwarmError
+    from .swarm import LocalSwarm, SwarmError
 
     global run_dir
-    run_dir = os.path.join(EXAMPLE_DIR, run_dir)  # relative paths are relative to this folder
-    dataset = prepare_data(os.path.join(EXAMPLE_DIR, data_dir))
+    run_dir = os.path.abspath(run_dir)
+    dataset = prepare_data(os.path.abspath(data_dir))
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.monotonic()
     status_path, metrics_path = os.path.join(run_dir, "status.json"), os.path.join(run_dir, "metrics.csv")
@@ -296,4 +301,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from plexus.cli.errors import exit_with
+
+    exit_with(main)

@@ -31,14 +31,15 @@ from functools import partial
 
 import torch
 import transformers
-from collaboration import LossMeter, NoOpScheduler, SwarmCallback  # siblings in examples/albert
-from data import MaskingCollator, PeerShuffledStream, PretrainingDataset
-from lamb import Lamb
-from metrics import make_validators
-from model import AlbertForMaskedOnlyPreTraining, count_parameters, make_config, parameter_groups
-from swarm import stop_on_signals
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
+
+from .collaboration import LossMeter, NoOpScheduler, SwarmCallback
+from .data import MaskingCollator, PeerShuffledStream, PretrainingDataset
+from .lamb import Lamb
+from .metrics import make_validators
+from .model import AlbertForMaskedOnlyPreTraining, count_parameters, make_config, parameter_groups
+from .swarm import stop_on_signals
 
 logger = logging.getLogger("plexus.albert")
 
@@ -384,4 +385,6 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    main()
+    from plexus.cli.errors import exit_with
+
+    exit_with(main)

@@ -29,11 +29,11 @@ import os
 import shutil
 import time
 
-from metrics import StepTable, make_validators, metrics_key, parse_records  # siblings in examples/albert
-from swarm import stop_on_signals
-
 import plexus
 from plexus.utils.logging import use_plexus_log_handler
+
+from .metrics import StepTable, make_validators, metrics_key, parse_records
+from .swarm import stop_on_signals
 
 logger = logging.getLogger("plexus.albert")
 PROGRESS_STALE_AFTER = 30.0  # seconds: a trainer's progress record older than this counts as gone
@@ -126,9 +126,10 @@ class Checkpointer:
 
     def __init__(self, dht, args):
         import torch  # noqa: F401  (heavy imports only when checkpoints are wanted)
-        from data import read_meta
-        from model import AlbertForMaskedOnlyPreTraining, parameter_groups
-        from run_trainer import load_config, optimizer_factory
+
+        from .data import read_meta
+        from .model import AlbertForMaskedOnlyPreTraining, parameter_groups
+        from .run_trainer import load_config, optimizer_factory
 
         meta = read_meta(args.dataset_path)
         self.model = AlbertForMaskedOnlyPreTraining(
@@ -337,4 +338,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from plexus.cli.errors import exit_with
+
+    exit_with(main)

@@ -203,11 +203,11 @@ class ArrayWriter:
             os.remove(raw)
 
 
-def main():
-    from corpus import check_input, read_documents
-    from flags import apply_flags
+def main(argv: list[str] | None = None):
+    from .corpus import check_input, read_documents
+    from .flags import apply_flags
 
-    apply_flags(globals(), __doc__)
+    apply_flags(globals(), __doc__, argv)
     check_input(input_path)
     if seq_length < 8:
         raise SystemExit(f"error: --seq_length {seq_length} leaves no room for a pair; use 64 or more")
@@ -300,4 +300,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from plexus.cli.errors import exit_with
+
+    exit_with(main)

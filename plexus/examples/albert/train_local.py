@@ -44,12 +44,12 @@ def lr_factor(step: int) -> float:
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
-def main():
-    from flags import apply_flags
+def main(argv: list[str] | None = None):
+    from .flags import apply_flags
 
-    apply_flags(globals(), __doc__)
-    from data import MaskingCollator, PeerShuffledStream, PretrainingDataset
-    from model import count_parameters, make_model, parameter_groups
+    apply_flags(globals(), __doc__, argv)
+    from .data import MaskingCollator, PeerShuffledStream, PretrainingDataset
+    from .model import count_parameters, make_model, parameter_groups
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -111,4 +111,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from plexus.cli.errors import exit_with
+
+    exit_with(main)

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "albert")
 
+from plexus.errors import UsageError  # noqa: E402
 from plexus.examples.albert import corpus, data, tokenize_corpus  # noqa: E402
 from plexus.examples.albert import model as albert_model  # noqa: E402
 
@@ -145,15 +146,15 @@ def test_wikitext_articles_and_saved_datasets_become_documents(tmp_path):
         ["First document.", "It has two sentences."],
         ["Second document here.", "Also two."],
     ]
-    with pytest.raises(SystemExit, match="text_column"):
+    with pytest.raises(UsageError, match="text_column"):
         list(corpus.read_documents(str(tmp_path / "saved"), text_column="body"))
 
 
 @pytest.mark.timeout(10)
 def test_missing_input_says_what_to_pass(tmp_path):
-    with pytest.raises(SystemExit, match="make_demo_corpus.py"):
+    with pytest.raises(UsageError, match="make_demo_corpus.py"):
         corpus.check_input(str(tmp_path / "nowhere"))
-    with pytest.raises(SystemExit, match="no .txt or .raw files"):
+    with pytest.raises(UsageError, match="no .txt or .raw files"):
         corpus.check_input(str(tmp_path))
 
 

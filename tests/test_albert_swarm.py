@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "albert")
 
+from plexus.errors import UsageError  # noqa: E402
 from plexus.examples.albert import metrics, plot  # noqa: E402
 from plexus.examples.albert.lamb import Lamb  # noqa: E402
 
@@ -578,7 +579,7 @@ def test_trainer_takes_every_flag_the_tutorial_uses():
     assert args.overwrite_output_dir and args.logging_first_step and args.logging_dir == "./logs"
     assert run_trainer.batch_size_per_step(args) == 8
     assert run_trainer.load_config("large", 30000, 512).hidden_size == 1024
-    with pytest.raises(SystemExit, match="neither tiny, large"):
+    with pytest.raises(UsageError, match="neither tiny, large"):
         run_trainer.load_config("medium", 30000, 512)
 
 

@@ -126,3 +126,33 @@ def test_import_plexus_defers_scipy_and_the_training_stack():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout
+
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "albert")
+
+
+@pytest.mark.parametrize(
+    "script, args, fragments",
+    [
+        ("run_trainer.py", ["--initial_peers", "1.2.3.4:5"], ["--initial_peers", "must start with '/'"]),
+        ("run_trainer.py", ["--target_batch_size", "0"], ["--target_batch_size", "at least 1"]),
+        ("run_trainer.py", ["--dataset_path", "no_such_folder"], ["no_such_folder", "tokenize_corpus.py"]),
+        ("run_training_monitor.py", ["--refresh_period", "0"], ["--refresh_period", "above 0"]),
+        ("run_training_monitor.py", ["--host_maddrs", "/ip4/1.2.3.4/tcp/70000"], ["--host_maddrs", "70000"]),
+        ("tokenize_corpus.py", ["--input_path", "no_such_corpus"], ["--input_path", "make_demo_corpus.py"]),
+        ("train_local.py", ["--data_dir", "no_such_folder"], ["no_such_folder", "meta.json"]),
+        ("make_demo_corpus.py", ["--packages", "no_such_package_here"], ["--packages", "not installed"]),
+        ("run_demo.py", ["--steps", "many"], ["--steps", "many"]),
+    ],
+)
+def test_example_scripts_report_bad_input_in_two_lines_with_status_2(tmp_path, script, args, fragments):
+    pytest.importorskip("transformers")
+    result = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLE, script), *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+        env={key: value for key, value in os.environ.items() if key != "PLEXUS_LOGLEVEL"},
+    )
+    assert_usage_error(result, *fragments)

@@ -9,6 +9,8 @@ import argparse
 import ipaddress
 import os
 
+from ..errors import UsageError
+
 
 def multiaddr(text: str) -> str:
     """A multiaddr such as /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW... (kept as text)."""
@@ -86,6 +88,17 @@ def file_to_write(text: str) -> str:
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
     return text
+
+
+def check_flag(flag: str, value, check):
+    """`check(value)` for a value parsed elsewhere (dataclass flags, a config), as a `UsageError` that
+    names `--flag`; lists are checked item by item."""
+    try:
+        if isinstance(value, list | tuple):
+            return [check(item) for item in value]
+        return check(value)
+    except argparse.ArgumentTypeError as error:
+        raise UsageError(f"--{flag}: {error}") from None
 
 
 def _number(text, kind: type, what: str):

@@ -23,6 +23,8 @@ import sys
 import sysconfig
 import time
 
+from plexus.errors import UsageError
+
 # -- what to collect --
 output_dir = "data/demo_corpus"  # folder for corpus.txt and NOTICE
 packages = "numpy,scipy,torch,transformers"  # installed packages whose docstrings come next
@@ -135,11 +137,16 @@ def documents_from_pydoc_topics():
 
 
 def package_root(name: str) -> str:
-    dist = importlib.metadata.distribution(name)
+    try:
+        dist = importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        raise UsageError(
+            f"--packages: {name!r} is not installed; name installed packages (e.g. numpy,torch)"
+        ) from None
     root = os.path.join(str(dist.locate_file("")), name)
     if not os.path.isdir(root):
-        raise SystemExit(
-            f"error: package {name!r} has no source folder at {root}; "
+        raise UsageError(
+            f"package {name!r} has no source folder at {root}; "
             f"pass --packages with installed pure-Python packages (e.g. numpy,torch)"
         )
     return root
@@ -164,7 +171,12 @@ def main(argv: list[str] | None = None):
         (f"{python} standard library docstrings", "PSF-2.0", documents_from_tree(stdlib)),
     ]
     for name in names:
-        version = importlib.metadata.version(name)
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise UsageError(
+                f"--packages: {name!r} is not installed; name installed packages (e.g. numpy,torch)"
+            ) from None
         sources.append(
             (f"{name} {version} docstrings", package_licence(name), documents_from_tree(package_root(name)))
         )

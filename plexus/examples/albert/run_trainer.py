@@ -34,6 +34,8 @@ import transformers
 from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from plexus.errors import UsageError
+
 from .collaboration import LossMeter, NoOpScheduler, SwarmCallback
 from .data import MaskingCollator, PeerShuffledStream, PretrainingDataset
 from .lamb import Lamb
@@ -179,7 +181,7 @@ def optimizer_factory(
         )
     if name == "adamw":
         return partial(torch.optim.AdamW, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    raise SystemExit(f"error: unknown --optimizer {name!r}; use lamb or adamw")
+    raise UsageError(f"unknown --optimizer {name!r}; use lamb or adamw")
 
 
 def local_optimizer_factory(args: AlbertTrainingArguments):
@@ -230,11 +232,11 @@ def load_config(name: str, vocab_size: int, seq_length: int) -> transformers.Alb
     if name in ("tiny", "large"):
         return make_config(name, vocab_size, seq_length)
     if not os.path.exists(name):
-        raise SystemExit(f"error: --config {name!r} is neither tiny, large, nor a folder or config.json")
+        raise UsageError(f"--config {name!r} is neither tiny, large, nor a folder or config.json")
     config = transformers.AlbertConfig.from_pretrained(name, local_files_only=True)
     if config.vocab_size != vocab_size:
-        raise SystemExit(
-            f"error: --config {name!r} has a vocabulary of {config.vocab_size} tokens but the "
+        raise UsageError(
+            f"--config {name!r} has a vocabulary of {config.vocab_size} tokens but the "
             f"dataset's tokenizer has {vocab_size}; use that tokenizer's data or fix vocab_size"
         )
     return config
@@ -282,11 +284,29 @@ class JsonlMetrics(TrainerCallback):
             f.write(json.dumps({"step": state.global_step, **(logs or {})}) + "\n")
 
 
+def check_arguments(args: AlbertTrainingArguments, collab: CollaborationArguments) -> None:
+    """Refuse flags that cannot work before loading the model or joining the swarm."""
+    from plexus.cli import checks
+
+    for flag in ("initial_peers", "host_maddrs", "announce_maddrs"):
+        checks.check_flag(flag, getattr(collab, flag), checks.multiaddr)
+    checks.check_flag("target_batch_size", collab.target_batch_size, checks.positive_int)
+    checks.check_flag("per_device_train_batch_size", args.per_device_train_batch_size, checks.positive_int)
+    checks.check_flag("matchmaking_time", collab.matchmaking_time, checks.positive_float)
+    checks.check_flag("averaging_timeout", collab.averaging_timeout, checks.positive_float)
+    if not 0 <= collab.batch_size_lead < collab.target_batch_size:
+        raise UsageError(
+            f"--batch_size_lead {collab.batch_size_lead} must be at least 0 and below "
+            f"--target_batch_size {collab.target_batch_size}"
+        )
+
+
 def main(argv: list[str] | None = None):
     parser = HfArgumentParser(
         (AlbertTrainingArguments, CollaborationArguments, DatasetArguments), description=__doc__
     )
     args, collab, data_args = parser.parse_args_into_dataclasses(args=argv)
+    check_arguments(args, collab)
     from plexus.utils.logging import use_plexus_log_handler
 
     use_plexus_log_handler()

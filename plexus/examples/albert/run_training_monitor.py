@@ -30,6 +30,9 @@ import shutil
 import time
 
 import plexus
+from plexus.cli import checks
+from plexus.cli.errors import ArgumentParser
+from plexus.errors import UsageError
 from plexus.utils.logging import use_plexus_log_handler
 
 from .metrics import StepTable, make_validators, metrics_key, parse_records
@@ -40,15 +43,17 @@ PROGRESS_STALE_AFTER = 30.0  # seconds: a trainer's progress record older than t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     swarm = parser.add_argument_group("swarm")
     swarm.add_argument(
         "--run_id", default="albert", help="the collaboration's name, as the trainers' (default: albert)"
     )
     swarm.add_argument(
-        "--initial_peers", nargs="*", default=[], help="other monitors or trainers to join, if any"
+        "--initial_peers",
+        nargs="*",
+        type=checks.multiaddr,
+        default=[],
+        help="other monitors or trainers to join, if any",
     )
     swarm.add_argument(
         "--use_ipfs",
@@ -58,12 +63,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     swarm.add_argument(
         "--host_maddrs",
         nargs="+",
+        type=checks.multiaddr,
         default=["/ip4/0.0.0.0/tcp/0"],
         help="addresses to listen on (default: any interface, a random port)",
     )
     swarm.add_argument(
         "--announce_maddrs",
         nargs="*",
+        type=checks.multiaddr,
         default=[],
         help="addresses to tell peers instead, e.g. /ip4/PUBLIC_IP/tcp/31337",
     )
@@ -74,7 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     record = parser.add_argument_group("recording")
     record.add_argument(
-        "--refresh_period", type=float, default=30.0, help="seconds between reads (default: 30)"
+        "--refresh_period",
+        type=checks.positive_float,
+        default=30.0,
+        help="seconds between reads (default: 30)",
     )
     record.add_argument(
         "--settle_time",
@@ -256,9 +266,8 @@ def main(argv=None):
         try:
             import wandb
         except ImportError:
-            raise SystemExit(
-                "error: --wandb_project needs wandb: pip install wandb "
-                "(WANDB_MODE=offline works without an account)"
+            raise UsageError(
+                "--wandb_project needs wandb: pip install wandb (WANDB_MODE=offline works without an account)"
             ) from None
         wandb.init(project=args.wandb_project, config=dict(run_id=args.run_id))
     metrics_file = MetricsFile(args.metrics_path)

@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from plexus.errors import UsageError
+
 # -- input --
 input_path = "data/demo_corpus"  # folder of .txt files, a WikiText-103 .raw file, or a saved dataset
 input_format = "auto"  # auto, text, wikitext or disk
@@ -62,7 +64,7 @@ def train_tokenizer(texts, kind: str, size: int):
         tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
         trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=SPECIAL_TOKENS, show_progress=False)
     else:
-        raise SystemExit(f"error: unknown --tokenizer_type {kind!r}; use unigram or bpe")
+        raise UsageError(f"unknown --tokenizer_type {kind!r}; use unigram or bpe")
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
@@ -90,8 +92,8 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     if not os.path.isdir(path):
-        raise SystemExit(
-            f"error: --tokenizer_path {path!r} is not a folder. Pass a folder saved with "
+        raise UsageError(
+            f"--tokenizer_path {path!r} is not a folder. Pass a folder saved with "
             f"save_pretrained (tokenizer.json or spiece.model inside), or leave it empty to train one"
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -101,8 +103,8 @@ def load_tokenizer(path: str):
         if getattr(tokenizer, name) is None
     ]
     if missing:
-        raise SystemExit(
-            f"error: the tokenizer in {path!r} has no {', '.join(missing)}; ALBERT needs "
+        raise UsageError(
+            f"the tokenizer in {path!r} has no {', '.join(missing)}; ALBERT needs "
             f"[CLS], [SEP], [MASK] and a padding token"
         )
     return tokenizer
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None):
     apply_flags(globals(), __doc__, argv)
     check_input(input_path)
     if seq_length < 8:
-        raise SystemExit(f"error: --seq_length {seq_length} leaves no room for a pair; use 64 or more")
+        raise UsageError(f"--seq_length {seq_length} leaves no room for a pair; use 64 or more")
 
     def documents():
         for count, document in enumerate(read_documents(input_path, input_format, split, text_column)):
@@ -273,7 +275,7 @@ def main(argv: list[str] | None = None):
     flush()
     writer.finish()
     if writer.rows == 0:
-        raise SystemExit(f"error: {input_path!r} gave no samples: it has no document with two or more tokens")
+        raise UsageError(f"{input_path!r} gave no samples: it has no document with two or more tokens")
 
     meta = dict(
         samples=writer.rows,

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from plexus.errors import UsageError
+
 # -- data --
 data_dir = "data/albert_tokenized"  # output of tokenize_corpus.py
 seed = 0  # seeds the model's initialisation, the data order and the masks
@@ -56,8 +58,8 @@ def main(argv: list[str] | None = None):
     dataset = PretrainingDataset(data_dir)
     meta = dataset.meta
     if batch_size % gradient_accumulation_steps:
-        raise SystemExit(
-            f"error: --batch_size {batch_size} is not a multiple of "
+        raise UsageError(
+            f"--batch_size {batch_size} is not a multiple of "
             f"--gradient_accumulation_steps {gradient_accumulation_steps}"
         )
     micro_batch = batch_size // gradient_accumulation_steps

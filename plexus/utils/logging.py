@@ -54,7 +54,7 @@ class _Handler(logging.StreamHandler):
                 level,
                 __file__,
                 0,
-                f"(the line above was repeated {self._repeats} more times)",
+                f"(the line above was repeated {'once more' if self._repeats == 1 else f'{self._repeats} more times'})",
                 None,
                 None,
             )

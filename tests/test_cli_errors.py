@@ -3,6 +3,7 @@ and a traceback only with --debug; `--version` and `--help` answer without loadi
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -87,6 +88,15 @@ def test_a_corrupt_identity_file_is_named_and_the_traceback_comes_with_debug(tmp
     assert_usage_error(plexus(*args), str(key), "private key")
     for result in (plexus(*args, "--debug"), plexus(*args, PLEXUS_LOGLEVEL="DEBUG")):
         assert result.returncode == 2 and "Traceback" in result.stderr and str(key) in result.stderr
+
+
+def test_a_port_in_use_names_the_flag_to_change():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = plexus("dht", "--host_maddrs", f"/ip4/127.0.0.1/tcp/{port}")
+    assert_usage_error(result, str(port), "--host_maddrs")
 
 
 def test_a_swarm_that_cannot_be_joined_fails_with_status_1_and_no_traceback():

@@ -5,8 +5,8 @@
 - `UsageError` (a bad flag, a missing file, a malformed config): `error: <what to change>`, status 2,
   the same status argparse uses for a flag it cannot parse;
 - any other `PlexusError` (a bootstrap that failed, a peer that misbehaved, a deadline): status 1;
-- an `OSError` about a file (`FileNotFoundError`, `PermissionError`, ...): the file and the reason,
-  status 2; other `OSError`s (an address in use, a refused connection): status 1;
+- an `OSError` about a file (`FileNotFoundError`, `PermissionError`, ...) or a port in use: the
+  file or port and what to change, status 2; other `OSError`s (a refused connection): status 1;
 - Ctrl+C: status 130, no traceback;
 - anything else is a bug: its one-line summary and how to get the traceback, status 1.
 
@@ -15,6 +15,7 @@ PLEXUS_LOGLEVEL=DEBUG prints the traceback as well.
 """
 
 import argparse
+import errno
 import os
 import sys
 import traceback
@@ -46,6 +47,13 @@ def describe(error: BaseException) -> tuple[str, int]:
         return f"error: {error}", USAGE_STATUS
     if isinstance(error, PlexusError):
         return f"error: {error}", FAILURE_STATUS
+    if isinstance(error, OSError) and error.errno == errno.EADDRINUSE:
+        where = str(error).replace("error while attempting to bind on address", "cannot listen on")
+        return (
+            f"error: {where}: another program uses that port; pick another one in --host_maddrs "
+            f"(tcp/0 lets the system choose)",
+            USAGE_STATUS,
+        )
     if isinstance(error, OSError) and error.filename is not None:
         reason = error.strerror or str(error)
         return f"error: {error.filename}: {reason}", USAGE_STATUS

@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench setup lint typecheck docs
+.PHONY: demo test bench setup lint typecheck docs wheel-check
 
 setup: $(VENV)/.installed
 
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 # The demo: a monitor and four trainers pre-train a tiny ALBERT on 127.0.0.1 (examples/albert/README.md).
 # Options go through DEMO_ARGS, e.g. make demo DEMO_ARGS="--steps 10 --trainers 2".
 demo: setup
-	$(VENV)/bin/plexus demo $(DEMO_ARGS)
+	$(VENV)/bin/plexus demo --data_dir examples/albert/data $(DEMO_ARGS)
 
 test: setup lint $(VENV)/.docs-installed
 	$(PY) scripts/fetch_p2pd.py
@@ -39,3 +39,8 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 # mypy over the package (pyproject.toml's [tool.mypy]: what it checks, and the baseline it spares).
 typecheck: setup
 	$(PY) -m mypy
+
+# The package as users get it: the wheel in a fresh venv outside the checkout, its commands, the demo
+# and README.md's Python examples (scripts/check_wheel.sh; about 5 minutes, mostly the demo).
+wheel-check:
+	bash scripts/check_wheel.sh

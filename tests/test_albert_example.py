@@ -1,7 +1,7 @@
 """The ALBERT example's data pipeline, model and scripts, on small inputs (no swarm involved).
 
 Scripts run as subprocesses, the way users run them; their building blocks are also imported
-directly (examples/albert is put on sys.path) to check invariants on many cases quickly.
+directly (from plexus.examples.albert) to check invariants on many cases quickly.
 """
 
 import json
@@ -20,12 +20,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "albert")
-sys.path.insert(0, EXAMPLE)
 
-import corpus  # noqa: E402
-import data  # noqa: E402
-import model as albert_model  # noqa: E402
-import tokenize_corpus  # noqa: E402
+from plexus.errors import UsageError  # noqa: E402
+from plexus.examples.albert import corpus, data, tokenize_corpus  # noqa: E402
+from plexus.examples.albert import model as albert_model  # noqa: E402
 
 SCRIPTS = [
     "make_demo_corpus.py",
@@ -148,15 +146,15 @@ def test_wikitext_articles_and_saved_datasets_become_documents(tmp_path):
         ["First document.", "It has two sentences."],
         ["Second document here.", "Also two."],
     ]
-    with pytest.raises(SystemExit, match="text_column"):
+    with pytest.raises(UsageError, match="text_column"):
         list(corpus.read_documents(str(tmp_path / "saved"), text_column="body"))
 
 
 @pytest.mark.timeout(10)
 def test_missing_input_says_what_to_pass(tmp_path):
-    with pytest.raises(SystemExit, match="make_demo_corpus.py"):
+    with pytest.raises(UsageError, match="make_demo_corpus.py"):
         corpus.check_input(str(tmp_path / "nowhere"))
-    with pytest.raises(SystemExit, match="no .txt or .raw files"):
+    with pytest.raises(UsageError, match="no .txt or .raw files"):
         corpus.check_input(str(tmp_path))
 
 

@@ -25,11 +25,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "albert")
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "albert")
-sys.path.insert(0, EXAMPLE)
 
-import metrics  # noqa: E402
-import plot  # noqa: E402
-from lamb import Lamb  # noqa: E402
+from plexus.errors import UsageError  # noqa: E402
+from plexus.examples.albert import metrics, plot  # noqa: E402
+from plexus.examples.albert.lamb import Lamb  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +215,7 @@ class FakeDHT:
 
 
 def make_callback(heal: bool = True):
-    from collaboration import LossMeter, SwarmCallback
+    from plexus.examples.albert.collaboration import LossMeter, SwarmCallback
 
     model = torch.nn.Linear(2, 1)
     optimizer, dht = FakeOptimizer(model, heal), FakeDHT()
@@ -271,7 +270,7 @@ def test_callback_publishes_each_epoch_it_took_part_in():
 
 @pytest.mark.timeout(10)
 def test_noop_scheduler_reports_the_optimizers_rate_and_steps_nothing():
-    from collaboration import NoOpScheduler
+    from plexus.examples.albert.collaboration import NoOpScheduler
 
     _, _, optimizer, _ = make_callback()
     scheduler = NoOpScheduler(optimizer)
@@ -328,7 +327,7 @@ def finish(): _write("finish", {})
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_monitor_and_trainers_train_together_and_a_late_trainer_catches_up(tokenized, tmp_path):
-    from swarm import LocalSwarm
+    from plexus.examples.albert.swarm import LocalSwarm
 
     (tmp_path / "fake" / "wandb").mkdir(parents=True)
     (tmp_path / "fake" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
@@ -539,8 +538,9 @@ def test_ctrl_c_stops_the_demo_and_every_process_it_started(tokenized, tmp_path)
 
 @pytest.mark.timeout(30)
 def test_trainer_takes_every_flag_the_tutorial_uses():
-    import run_trainer
     from transformers import HfArgumentParser
+
+    from plexus.examples.albert import run_trainer
 
     parser = HfArgumentParser(
         (
@@ -588,7 +588,7 @@ def test_trainer_takes_every_flag_the_tutorial_uses():
     assert args.overwrite_output_dir and args.logging_first_step and args.logging_dir == "./logs"
     assert run_trainer.batch_size_per_step(args) == 8
     assert run_trainer.load_config("large", 30000, 512).hidden_size == 1024
-    with pytest.raises(SystemExit, match="neither tiny, large"):
+    with pytest.raises(UsageError, match="neither tiny, large"):
         run_trainer.load_config("medium", 30000, 512)
 
 
@@ -640,8 +640,7 @@ def test_a_trainer_resumes_from_its_own_checkpoint_at_its_epoch(tokenized, tmp_p
 
 @pytest.mark.timeout(10)
 def test_monitor_reads_the_swarms_progress_and_skips_stale_or_malformed_reports():
-    from run_training_monitor import swarm_progress
-
+    from plexus.examples.albert.run_training_monitor import swarm_progress
     from plexus.utils.timed_storage import ValueWithExpiration
 
     def report(epoch, samples, speed, when, client=False):

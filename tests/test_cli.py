@@ -28,7 +28,7 @@ def test_demo_ping_only_pings_between_two_local_peers():
 
 def test_bad_arguments_get_a_clear_error():
     result = plexus("demo", "--pings", "many")
-    assert result.returncode == 2 and "invalid int value" in result.stderr
+    assert result.returncode == 2 and "is not a whole number" in result.stderr
 
 
 def test_demo_help_describes_the_albert_swarm():

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from plexus.cli import dht as dht_command
-from plexus.cli.main import main as cli_main
+from plexus.cli.main import run as cli_run
 from plexus.dht.crypto import Ed25519SignatureValidator
 from plexus.dht.dht import DHT
 from plexus.errors import UsageError
@@ -159,10 +159,10 @@ def test_a_missing_aiohttp_names_the_extra_to_install(monkeypatch):
 def test_plexus_dht_without_aiohttp_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     try:
-        assert cli_main(["dht", "--dashboard", "0"]) == 1  # before any DHT starts
+        assert cli_run(["dht", "--dashboard", "0"]) == 2  # a usage error, before any DHT starts
     finally:
         remove_plexus_log_handler()
-    assert "UsageError: the dashboard needs aiohttp: pip install plexus[dashboard]" in capsys.readouterr().err
+    assert "error: the dashboard needs aiohttp: pip install plexus[dashboard]" in capsys.readouterr().err
 
 
 def test_a_taken_port_is_a_clear_error(swarm):

@@ -9,6 +9,9 @@ import argparse
 import json
 from pathlib import Path
 
+from ..errors import UsageError
+from . import checks
+
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -31,33 +34,56 @@ def parse_with_config(
         unknown = sorted(set(options) - known)
         if unknown:
             target.error(f"unknown option(s) in {first.config}: {', '.join(unknown)}")
-        target.set_defaults(**options)
+        target.set_defaults(
+            **{key: _checked(target, first.config, key, value) for key, value in options.items()}
+        )
     return parser.parse_args(argv)
+
+
+def _checked(parser: argparse.ArgumentParser, path: str, key: str, value):
+    """`value` from the config file as the flag `key` would have parsed it (type and choices)."""
+    action = next(action for action in parser._actions if action.dest == key)
+    values = value if isinstance(value, list) else [value]
+    try:
+        convert = action.type
+        if callable(convert):
+            # as from the command line, where every value is a string
+            values = [convert(str(item)) if isinstance(item, str | int | float) else item for item in values]
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"{path}: {key}: {error}")
+    for item in values:
+        if action.choices is not None and item not in action.choices:
+            parser.error(f"{path}: {key}: {item!r} is not one of {', '.join(map(str, action.choices))}")
+    return values if isinstance(value, list) else values[0]
 
 
 def load_config(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
-        raise SystemExit(f"config file {path} does not exist")
-    text = file.read_text()
-    if file.suffix == ".json":
-        options = json.loads(text)
-    elif file.suffix == ".toml":
-        import tomllib
-
-        options = tomllib.loads(text)
-    elif file.suffix in (".yml", ".yaml"):
+        raise UsageError(f"config file {path} does not exist (--config)")
+    text, kind = file.read_text(), file.suffix.lower()
+    if kind in (".yml", ".yaml"):
         try:
             import yaml
         except ImportError:
-            raise SystemExit(
+            raise UsageError(
                 f"reading {path} needs PyYAML (pip install pyyaml), or use a .json/.toml file"
             ) from None
-        options = yaml.safe_load(text) or {}
+        try:
+            options = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise UsageError(f"config file {path} is not valid YAML: {error}") from error
+    elif kind in (".json", ".toml"):
+        import tomllib
+
+        try:
+            options = json.loads(text) if kind == ".json" else tomllib.loads(text)
+        except ValueError as error:  # both decoders' errors are ValueErrors that name the line
+            raise UsageError(f"config file {path} is not valid {kind[1:].upper()}: {error}") from error
     else:
-        raise SystemExit(f"config file {path} should end in .json, .toml, .yml or .yaml")
+        raise UsageError(f"config file {path} should end in .json, .toml, .yml or .yaml")
     if not isinstance(options, dict):
-        raise SystemExit(f"config file {path} must hold a mapping of option names to values")
+        raise UsageError(f"config file {path} must hold a mapping of option names to values")
     return {key.replace("-", "_"): value for key, value in options.items()}
 
 
@@ -67,6 +93,7 @@ def add_peer_arguments(parser) -> None:
     parser.add_argument(
         "--initial_peers",
         nargs="*",
+        type=checks.multiaddr,
         default=[],
         metavar="MADDR",
         help="multiaddrs of peers to join (…/p2p/<peer id>); none starts a new swarm",
@@ -74,6 +101,7 @@ def add_peer_arguments(parser) -> None:
     parser.add_argument(
         "--host_maddrs",
         nargs="+",
+        type=checks.multiaddr,
         default=["/ip4/0.0.0.0/tcp/0"],
         metavar="MADDR",
         help="addresses to listen on (default: all interfaces, port chosen by the OS)",
@@ -81,12 +109,14 @@ def add_peer_arguments(parser) -> None:
     parser.add_argument(
         "--announce_maddrs",
         nargs="*",
+        type=checks.multiaddr,
         default=[],
         metavar="MADDR",
         help="addresses to advertise instead of the listening ones (e.g. a public IP)",
     )
     parser.add_argument(
         "--identity_path",
+        type=checks.file_to_write,
         help="file with this peer's private key (created when missing), "
         "so its peer id and address stay the same across restarts",
     )

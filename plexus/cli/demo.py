@@ -4,9 +4,9 @@
     plexus demo --steps 10 --trainers 2 --client_trainers 0
     plexus demo --ping-only         # just two peers that ping each other (no ML libraries needed)
 
-The swarm is examples/albert/run_demo.py from a checkout of the repository (install with
-`pip install -e ".[albert]"`, or run `make demo`). It builds a small English corpus and a tokenizer
-once, shows a live view of the peers, the global epoch, the loss and the samples/s, prints the
+The swarm is plexus.examples.albert.run_demo (the repository's examples/albert/run_demo.py runs
+the same); it needs the `albert` extra: pip install "plexus[albert]". It builds a small English
+corpus (from the documentation of installed packages: no download) and a tokenizer once, shows a live view of the peers, the global epoch, the loss and the samples/s, prints the
 `--initial_peers` line another machine could join with, and ends with a summary and the loss curve
 (PNG and CSV). Ctrl+C stops every process it started.
 """
@@ -14,73 +14,73 @@ once, shows a live view of the peers, the global epoch, the loss and the samples
 import asyncio
 import importlib.util
 import os
-import sys
 
+from ..errors import UsageError
 from ..p2p.host import Host
 from ..utils.logging import get_logger
+from . import checks
 
-HELP = "pre-train a tiny ALBERT with a local swarm (monitor, 3 trainers, 1 client-mode trainer)"
 logger = get_logger(__name__)
-EXAMPLE_DIR = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "albert"
-)
 PASSED_ON = ("steps", "trainers", "client_trainers", "host", "target_batch_size", "data_dir", "run_dir")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--steps", type=int, help="stop after this many global steps (default 30)")
-    parser.add_argument("--trainers", type=int, help="trainers that accept connections (default 3)")
-    parser.add_argument("--client_trainers", type=int, help="trainers in client mode (default 1)")
     parser.add_argument(
-        "--host", help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)"
-    )
-    parser.add_argument("--target_batch_size", type=int, help="samples per global step (default 256)")
-    parser.add_argument(
-        "--data_dir", help="corpus and tokenized data, built if missing (default examples/albert/data)"
+        "--steps", type=checks.positive_int, help="stop after this many global steps (default 30)"
     )
     parser.add_argument(
-        "--run_dir", help="logs, metrics and the loss curve (default examples/albert/data/demo_run)"
+        "--trainers", type=checks.positive_int, help="trainers that accept connections (default 3)"
+    )
+    parser.add_argument(
+        "--client_trainers", type=checks.non_negative_int, help="trainers in client mode (default 1)"
+    )
+    parser.add_argument(
+        "--host",
+        type=checks.ip_address,
+        help="interface to listen on; 0.0.0.0 lets other machines join (default 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--target_batch_size", type=checks.positive_int, help="samples per global step (default 256)"
+    )
+    parser.add_argument(
+        "--data_dir",
+        type=checks.directory_to_use,
+        help="corpus and tokenized data, built if missing (default ./data)",
+    )
+    parser.add_argument(
+        "--run_dir",
+        type=checks.directory_to_use,
+        help="logs, metrics and the loss curve (default ./data/demo_run)",
     )
     parser.add_argument(
         "--ping-only", action="store_true", help="only start two peers and ping one from the other"
     )
-    parser.add_argument("--pings", type=int, help="how many pings (default 5); implies --ping-only")
+    parser.add_argument(
+        "--pings", type=checks.positive_int, help="how many pings (default 5); implies --ping-only"
+    )
 
 
 def run(args) -> int:
     if args.ping_only or args.pings is not None:
         return asyncio.run(_ping(5 if args.pings is None else args.pings))
-    script = os.path.join(EXAMPLE_DIR, "run_demo.py")
-    if not os.path.exists(script):
-        logger.error(
-            f"the demo needs the repository's examples/albert (looked for {script}); clone the "
-            f'repository and install it with pip install -e ".[albert]", or try plexus demo --ping-only'
-        )
-        return 1
     missing = [
         name
         for name in ("transformers", "tokenizers", "accelerate")
         if importlib.util.find_spec(name) is None
     ]
     if missing:
-        logger.error(
-            f'the demo needs {", ".join(missing)}: pip install -e ".[albert]" from the repository root '
-            f"(make demo does it for you)"
+        raise UsageError(
+            f'the demo needs {", ".join(missing)}: pip install "plexus[albert]" (from a checkout: '
+            f'pip install -e ".[albert]", or make demo); plexus demo --ping-only needs none of them'
         )
-        return 1
+    from ..examples.albert import run_demo
+
     argv = []
     for name in PASSED_ON:
         value = getattr(args, name)
         if value is not None:
             argv += [f"--{name}", os.path.abspath(value) if name.endswith("_dir") else str(value)]
-    sys.path.insert(0, EXAMPLE_DIR)  # the demo imports its sibling modules
-    spec = importlib.util.spec_from_file_location("run_demo", script)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load the demo script {script}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["run_demo"] = module  # its flags read their help texts from the module's source
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return run_demo.main(argv)
 
 
 async def _ping(pings: int) -> int:

@@ -19,9 +19,9 @@ from ..dashboard.address import add_dashboard_argument, parse_bind_address
 from ..dht.dht import DHT
 from ..utils.logging import get_logger
 from ..utils.timing import get_dht_time
+from . import checks
 from .config import add_config_argument, add_peer_arguments
 
-HELP = "run a DHT peer that others can bootstrap from"
 logger = get_logger(__name__)
 
 
@@ -35,6 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--relays",
         nargs="*",
+        type=checks.multiaddr,
         default=[],
         metavar="MADDR",
         help="relays for --use_auto_relay (default: initial peers that relay, then the DHT's)",
@@ -52,12 +53,16 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--ipfs_bootstrap_peers",
         nargs="*",
+        type=checks.multiaddr,
         default=None,
         metavar="MADDR",
         help="where to join the Kademlia DHT for --use_ipfs (default: the IPFS bootstrap peers)",
     )
     parser.add_argument(
-        "--refresh_period", type=float, default=30.0, help="seconds between status lines (default 30)"
+        "--refresh_period",
+        type=checks.positive_float,
+        default=30.0,
+        help="seconds between status lines (default 30)",
     )
     add_dashboard_argument(parser)
     parser.add_argument(

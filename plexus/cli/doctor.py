@@ -27,9 +27,9 @@ from ..p2p.multiaddr import Multiaddr, MultiaddrError, parse_host_port
 from ..p2p.protocols import autonat as autonat_core
 from ..p2p.protocols import relay as relay_core
 from ..p2p.relay import RelayClient
+from . import checks
 from .config import add_config_argument
 
-HELP = "check this machine's addresses, NAT, reachability, relays and clock skew"
 SKEW_WARNING = 3.0  # seconds; the DHT warns at the same bound
 
 
@@ -37,18 +37,29 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--peer",
         required=True,
+        type=checks.peer_multiaddr,
         metavar="MADDR",
         help="a running peer to test against (…/p2p/<peer id>), e.g. one of --initial_peers",
     )
     parser.add_argument(
         "--host_maddrs",
         nargs="*",
+        type=checks.multiaddr,
         default=["/ip4/0.0.0.0/tcp/0"],
         metavar="MADDR",
         help="addresses to listen on while testing (use your training peer's port to test it)",
     )
-    parser.add_argument("--relays", nargs="*", default=[], metavar="MADDR", help="relays to try reserving on")
-    parser.add_argument("--timeout", type=float, default=15.0, help="seconds for each check (default 15)")
+    parser.add_argument(
+        "--relays",
+        nargs="*",
+        type=checks.multiaddr,
+        default=[],
+        metavar="MADDR",
+        help="relays to try reserving on",
+    )
+    parser.add_argument(
+        "--timeout", type=checks.positive_float, default=15.0, help="seconds for each check (default 15)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     add_config_argument(parser)
 

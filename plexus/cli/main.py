@@ -4,44 +4,81 @@ plexus demo      a local swarm pre-training a tiny ALBERT (--ping-only: two peer
 plexus dht       run a DHT peer that others can bootstrap from
 plexus server    serve mixture-of-experts experts and announce them in the DHT
 plexus doctor    check this machine's addresses, NAT, reachability, relays and clock skew
+
+Only the module of the command being run is imported (`plexus --help` loads none of them, nor
+torch), so that the command answers at once.
 """
 
 import argparse
-import logging
+import importlib
 import sys
 
-from ..errors import PlexusError
 from ..utils.logging import use_plexus_log_handler
-from . import demo, dht, doctor, server
+from ..version import __version__
 from .config import parse_with_config
+from .errors import DEBUG_FLAG, ArgumentParser, run_cli
 
-COMMANDS = {"demo": demo, "dht": dht, "server": server, "doctor": doctor}
+# command -> (module in plexus.cli, one-line help)
+COMMANDS = {
+    "demo": (
+        "demo",
+        "pre-train a tiny ALBERT with a local swarm (monitor, 3 trainers, 1 client-mode trainer)",
+    ),
+    "dht": ("dht", "run a DHT peer that others can bootstrap from"),
+    "server": ("server", "serve mixture-of-experts experts and announce them in the DHT"),
+    "doctor": ("doctor", "check this machine's addresses, NAT, reachability, relays and clock skew"),
+}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="plexus", description="Train one neural network together over the internet."
+def chosen_command(argv: list[str]) -> str | None:
+    """The sub-command on the command line: the first word that is not an option."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def build_parser(command: str | None) -> tuple[argparse.ArgumentParser, dict]:
+    """The `plexus` parser, with the flags of `command` only (the others list their help line)."""
+    parser = ArgumentParser(prog="plexus", description="Train one neural network together over the internet.")
+    parser.add_argument("--version", action="version", version=f"plexus {__version__}")
+    parser.add_argument(
+        DEBUG_FLAG,
+        action="store_true",
+        help="print the traceback of an error, not just its message (anywhere on the line; "
+        "PLEXUS_LOGLEVEL=DEBUG does it too)",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parsers = {}
-    for name, module in COMMANDS.items():
+    for name, (module_name, help_line) in COMMANDS.items():
+        if name != command:
+            subparsers.add_parser(name, help=help_line)
+            continue
+        module = importlib.import_module(f"{__package__}.{module_name}")
         parsers[name] = subparsers.add_parser(
             name,
-            help=module.HELP,
+            help=help_line,
             description=module.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(parsers[name])
+    return parser, parsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` and run the command; errors propagate (`run` turns them into messages)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = chosen_command(argv)
+    parser, parsers = build_parser(command)
     args = parse_with_config(parser, argv, parsers)
     use_plexus_log_handler()
-    try:
-        return COMMANDS[args.command].run(args) or 0
-    except KeyboardInterrupt:
-        return 130
-    except PlexusError as error:  # a bootstrap that failed, a bad option: the message says what to do
-        logging.getLogger("plexus.cli").error(f"{type(error).__name__}: {error}")
-        return 1
+    return importlib.import_module(f"{__package__}.{COMMANDS[args.command][0]}").run(args) or 0
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The `plexus` executable: `main` with errors as short messages and exit statuses."""
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

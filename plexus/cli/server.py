@@ -19,10 +19,11 @@ import time
 import torch
 
 from ..compression import CompressionType
+from ..errors import UsageError
 from ..utils.logging import get_logger
+from . import checks
 from .config import add_peer_arguments
 
-HELP = "serve mixture-of-experts experts and announce them in the DHT"
 logger = get_logger(__name__)
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": lambda params: torch.optim.SGD(params, lr=0.01), "none": None}
@@ -31,7 +32,9 @@ FILE_LIMIT = 32768
 
 def add_arguments(parser) -> None:
     experts = parser.add_argument_group("experts")
-    experts.add_argument("--num_experts", type=int, help="how many experts to serve (with --expert_pattern)")
+    experts.add_argument(
+        "--num_experts", type=checks.positive_int, help="how many experts to serve (with --expert_pattern)"
+    )
     experts.add_argument(
         "--expert_pattern",
         help="grid to sample uids from, e.g. 'ffn.[0:4].[0:16]' (uids other servers announce are skipped)",
@@ -45,9 +48,13 @@ def add_arguments(parser) -> None:
         help="registered expert class (ffn, transformer, nop, nop_delay, det_dropout, "
         "or one from --custom_module_path); default ffn",
     )
-    experts.add_argument("--hidden_dim", type=int, default=1024, help="experts' hidden size (default 1024)")
     experts.add_argument(
-        "--custom_module_path", help="Python file whose @register_expert_class experts to offer"
+        "--hidden_dim", type=checks.positive_int, default=1024, help="experts' hidden size (default 1024)"
+    )
+    experts.add_argument(
+        "--custom_module_path",
+        type=checks.existing_file,
+        help="Python file whose @register_expert_class experts to offer",
     )
 
     training = parser.add_argument_group("training")
@@ -63,18 +70,20 @@ def add_arguments(parser) -> None:
         default="none",
         help="learning-rate schedule; linear needs the two step counts",
     )
-    training.add_argument("--num_warmup_steps", type=int)
-    training.add_argument("--num_training_steps", type=int)
+    training.add_argument("--num_warmup_steps", type=checks.non_negative_int)
+    training.add_argument("--num_training_steps", type=checks.positive_int)
     training.add_argument(
-        "--clip_grad_norm", type=float, help="clip each expert's gradient to this global norm"
+        "--clip_grad_norm", type=checks.positive_float, help="clip each expert's gradient to this global norm"
     )
     training.add_argument(
-        "--checkpoint_dir", help="restore experts from here and save them every update_period"
+        "--checkpoint_dir",
+        type=checks.directory_to_use,
+        help="restore experts from here and save them every update_period",
     )
 
     runtime = parser.add_argument_group("runtime")
-    runtime.add_argument("--min_batch_size", type=int, default=1)
-    runtime.add_argument("--max_batch_size", type=int, default=16384)
+    runtime.add_argument("--min_batch_size", type=checks.positive_int, default=1)
+    runtime.add_argument("--max_batch_size", type=checks.positive_int, default=16384)
     runtime.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when available)")
     runtime.add_argument(
         "--compression",
@@ -96,12 +105,14 @@ def add_arguments(parser) -> None:
     add_peer_arguments(network)
     network.add_argument(
         "--update_period",
-        type=float,
+        type=checks.positive_float,
         default=30.0,
         help="seconds between re-announcements in the DHT and checkpoints (default 30)",
     )
     network.add_argument(
-        "--expiration", type=float, help="lifetime of an announcement (default max(2 * update_period, 3))"
+        "--expiration",
+        type=checks.positive_float,
+        help="lifetime of an announcement (default max(2 * update_period, 3))",
     )
     parser.add_argument(
         "-c",
@@ -120,9 +131,46 @@ def _raise_file_limit() -> None:
         logger.info(f"raised the open-file limit from {soft} to {target}")
 
 
+def check_arguments(args) -> None:
+    """Refuse what cannot work before joining the swarm, naming the flag to change."""
+    from ..moe.expert_uid import is_valid_uid, parse_expert_pattern
+
+    if args.expert_uids is None and args.num_experts is None and args.checkpoint_dir is None:
+        raise UsageError(
+            "say which experts to serve: --expert_uids ffn.0.0 ffn.0.1 ..., or --num_experts N with "
+            "--expert_pattern 'ffn.[0:4].[0:16]'"
+        )
+    bad = [uid for uid in args.expert_uids or () if not is_valid_uid(uid)]
+    if bad:
+        raise UsageError(
+            f"--expert_uids: {bad[0]!r} is not an expert uid (a name and integer coordinates: ffn.0.3)"
+        )
+    if args.expert_uids and args.num_experts is not None and args.num_experts != len(set(args.expert_uids)):
+        raise UsageError(
+            f"--num_experts {args.num_experts} disagrees with the {len(set(args.expert_uids))} --expert_uids"
+        )
+    if args.expert_pattern is not None:
+        try:
+            parse_expert_pattern(args.expert_pattern)
+        except ValueError as error:
+            raise UsageError(f"--expert_pattern: {error}") from None
+    if args.min_batch_size > args.max_batch_size:
+        raise UsageError(
+            f"--min_batch_size {args.min_batch_size} is above --max_batch_size {args.max_batch_size}"
+        )
+    if args.scheduler == "linear" and (args.num_warmup_steps is None or args.num_training_steps is None):
+        raise UsageError("--scheduler linear needs --num_warmup_steps and --num_training_steps")
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            raise UsageError(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N") from None
+
+
 def run(args) -> int:
     from ..moe.server.server import Server  # torch-heavy: imported when the command runs
 
+    check_arguments(args)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

@@ -25,7 +25,7 @@ def parse_bind_address(text: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
-def add_dashboard_argument(parser: argparse.ArgumentParser) -> None:
+def add_dashboard_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The `--dashboard [HOST:]PORT` flag; its value is (host, port) or None."""
 
     def bind_address(text: str) -> tuple[str, int]:

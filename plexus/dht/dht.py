@@ -23,6 +23,7 @@ through a libp2p Kademlia DHT (the public IPFS one unless `ipfs_bootstrap_peers`
 
 import asyncio
 import concurrent.futures
+import os
 import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from ..p2p.protocols.errors import ProtocolError
 from ..p2p.protocols.relay import HOP_PROTOCOL, RelayLimits
 from ..p2p.relay import RelayClient, RelayError, RelayService
 from ..utils.background_loop import get_background_loop
-from ..utils.logging import get_logger
+from ..utils.logging import get_logger, use_default_log_handler
 from ..utils.timed_storage import ValueWithExpiration
 from ..utils.timing import get_dht_time
 from .node import DHTNode
@@ -147,6 +148,8 @@ class DHT:
                 `plexus.dht.storage.StorageLimits`: the bounds of what this peer stores for others
                 (per sender, per owner, per key, in all).
         """
+        if "PLEXUS_LOGLEVEL" in os.environ:  # asked for in the environment: shown even in a bare script
+            use_default_log_handler()
         if force_reachability not in (None, "public", "private"):
             raise ValueError(
                 f"force_reachability must be None, 'public' or 'private', not {force_reachability!r}"

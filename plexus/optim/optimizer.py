@@ -63,7 +63,7 @@ from ..averaging.control import AveragingStage, StepControl
 from ..compression import CompressionBase, NoCompression
 from ..dht.dht import DHT
 from ..p2p.identity import PeerID
-from ..utils.logging import RateLimitedLog, get_logger
+from ..utils.logging import RateLimitedLog, get_logger, use_default_log_handler
 from ..utils.tensors import all_finite
 from ..utils.timing import get_dht_time
 from .epoch_policy import (
@@ -222,6 +222,8 @@ class Optimizer(torch.optim.Optimizer):
         self.delay_state_averaging, self.average_state_every = delay_state_averaging, average_state_every
         self.use_local_updates = use_local_updates
         self.status_loglevel = logging.INFO if verbose else logging.DEBUG
+        if verbose:
+            use_default_log_handler()  # a script that configured no logging sees the status lines too
         averager_opts = dict(averager_opts or {})
         round_opts = dict(
             min_matchmaking_time=matchmaking_time,

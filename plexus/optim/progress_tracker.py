@@ -53,7 +53,7 @@ from ..dht.rsa import RSAPrivateKey, RSASignatureValidator
 from ..dht.schema import OwnerPublicKey, SchemaValidator
 from ..dht.validation import DHTRecord, RecordValidatorBase
 from ..p2p.identity import IdentityError, PeerID, PrivateKey, PublicKey
-from ..utils.logging import RateLimitedLog, get_logger
+from ..utils.logging import RateLimitedLog, eta_text, get_logger
 from ..utils.performance_ema import PerformanceEMA
 from ..utils.serializer import MSGPackSerializer, SerializationError
 from ..utils.timing import get_dht_time
@@ -498,7 +498,7 @@ class ProgressTracker:
         logger.log(
             self.status_loglevel,
             f"{self.prefix} accumulated {progress.samples_accumulated} samples for epoch #{progress.epoch} "
-            f"from {progress.num_peers} peers. ETA {max(0.0, progress.eta_next_epoch - now):.2f} sec "
+            f"from {progress.num_peers} peers. ETA {eta_text(progress.eta_next_epoch - now)} "
             f"(refresh in {max(0.0, progress.next_fetch_time - now):.2f} sec)",
         )
         return progress

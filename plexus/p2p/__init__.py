@@ -1,42 +1,31 @@
 """The libp2p-compatible transport: identity, multiaddrs, Host (TCP + Noise + yamux), streams, RPC,
 private swarms."""
 
-from . import rpc
-from .auth import (
-    AccessToken,
-    AuthorizationError,
-    AuthorizerBase,
-    SignedTokenAuthorizer,
-    TokenAuthority,
-    TokenAuthorizerBase,
-)
-from .host import DialError, Host, HostOptions, PeerInfo
-from .identity import PeerID, PrivateKey, PublicKey, load_or_create_identity
-from .multiaddr import Multiaddr, MultiaddrError
-from .rpc import RPCError
-from .stream import Stream, StreamClosedError, StreamError, StreamResetError
+from ..utils.exports import lazy_exports
 
-__all__ = [
-    "AccessToken",
-    "AuthorizationError",
-    "AuthorizerBase",
-    "DialError",
-    "Host",
-    "HostOptions",
-    "Multiaddr",
-    "MultiaddrError",
-    "PeerID",
-    "PeerInfo",
-    "PrivateKey",
-    "PublicKey",
-    "RPCError",
-    "SignedTokenAuthorizer",
-    "Stream",
-    "StreamClosedError",
-    "StreamError",
-    "StreamResetError",
-    "TokenAuthority",
-    "TokenAuthorizerBase",
-    "load_or_create_identity",
-    "rpc",
-]
+_EXPORTS = {
+    "AccessToken": ".auth",
+    "AuthorizationError": ".auth",
+    "AuthorizerBase": ".auth",
+    "SignedTokenAuthorizer": ".auth",
+    "TokenAuthority": ".auth",
+    "TokenAuthorizerBase": ".auth",
+    "DialError": ".host",
+    "Host": ".host",
+    "HostOptions": ".host",
+    "PeerInfo": ".host",
+    "PeerID": ".identity",
+    "PrivateKey": ".identity",
+    "PublicKey": ".identity",
+    "load_or_create_identity": ".identity",
+    "Multiaddr": ".multiaddr",
+    "MultiaddrError": ".multiaddr",
+    "RPCError": ".rpc",
+    "Stream": ".stream",
+    "StreamClosedError": ".stream",
+    "StreamError": ".stream",
+    "StreamResetError": ".stream",
+    "rpc": ".rpc",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,7 +17,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from ..errors import PlexusError
+from ..errors import PlexusError, UsageError
 from .protocols import pb
 from .protocols.varint import encode_uvarint
 
@@ -254,7 +254,13 @@ def load_or_create_identity(path: str | os.PathLike) -> PrivateKey:
     """Load our key from `path`, or create it there (mode 0600) so the peer keeps its id."""
     path = Path(path)
     if path.exists():
-        return PrivateKey.from_protobuf(path.read_bytes())
+        try:
+            return PrivateKey.from_protobuf(path.read_bytes())
+        except IdentityError as error:
+            raise UsageError(
+                f"identity file {path} does not hold a libp2p private key ({error}); give another "
+                f"identity_path, or move this file away to create a new identity there"
+            ) from error
     path.parent.mkdir(parents=True, exist_ok=True)
     key = PrivateKey.generate()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

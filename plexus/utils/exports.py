@@ -15,13 +15,15 @@ from collections.abc import Callable, Mapping
 
 def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable, Callable]:
     """`__getattr__` and `__dir__` for `package`, whose name `n` lives in module `exports[n]`
-    (relative to the package, like ".dht")."""
+    (relative to the package, like ".dht"); a name mapped to its own module (`"rpc": ".rpc"`) is
+    that submodule."""
 
     def __getattr__(name: str):
         module_name = exports.get(name)
         if module_name is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module_name, package), name)
+        module = importlib.import_module(module_name, package)
+        value = module if module_name == "." + name else getattr(module, name)
         setattr(sys.modules[package], name, value)  # later lookups skip this function
         return value
 

@@ -2,7 +2,11 @@
 
 The library never prints; it logs through `get_logger(__name__)`. Applications (our CLIs, the
 example) call `use_plexus_log_handler()` once to get this format; the level comes from
-PLEXUS_LOGLEVEL (default INFO).
+PLEXUS_LOGLEVEL (default INFO). A script that configured no logging at all still sees what it asked
+for, as with hivemind: `Optimizer(verbose=True)`, or PLEXUS_LOGLEVEL set in the environment, call
+`use_default_log_handler()`, which installs the Plexus handler unless the application has handlers
+of its own. That handler never prints the same line twice in a row: repeats are counted and
+reported once, when a different line comes.
 
 Events a peer can cause at will (a refused connection, a request over a limit) go through
 `RateLimitedLog`, so a flooding peer gets one line that names it, not one line per attempt.
@@ -29,15 +33,51 @@ class _Formatter(logging.Formatter):
         return super().format(record)
 
 
+class _Handler(logging.StreamHandler):
+    """A stream handler that never writes the same line twice in a row (same logger, level and
+    message): it counts the repeats and says how many there were before the next different line.
+    Marked `_plexus`, so that it is added once and removed again by that mark."""
+
+    _plexus = True
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._last: tuple | None = None
+        self._repeats = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        key = (record.name, record.levelno, record.getMessage())
+        if key == self._last:
+            self._repeats += 1
+            return
+        if self._repeats and self._last is not None:
+            name, level, _ = self._last
+            note = logging.LogRecord(
+                name,
+                level,
+                __file__,
+                0,
+                f"(the line above was repeated {'once more' if self._repeats == 1 else f'{self._repeats} more times'})",
+                None,
+                None,
+            )
+            note.created, note.msecs = record.created, record.msecs
+            super().emit(note)
+        self._last, self._repeats = key, 0
+        super().emit(record)
+
+
+def eta_text(seconds: float, unknown_above: float = 1e6) -> str:
+    """An ETA for people: "12.34 sec", or "unknown" when there is no sensible estimate (no speed
+    measured yet, so an infinite or absurdly long time)."""
+    if seconds != seconds or seconds > unknown_above:  # NaN, inf, or a speed of ~0 samples/s
+        return "unknown"
+    return f"{max(0.0, seconds):.2f} sec"
+
+
 def get_logger(name: str | None = None) -> logging.Logger:
     """The logger for `name` (a module's `__name__`), or Plexus's own when no name is given."""
     return logging.getLogger(name or _ROOT)
-
-
-class _PlexusStreamHandler(logging.StreamHandler):
-    """The handler Plexus adds, marked so it is added once and removed again by name."""
-
-    _plexus = True
 
 
 def use_plexus_log_handler(level: str | None = None, stream=None, logger_name: str = _ROOT) -> None:
@@ -48,11 +88,25 @@ def use_plexus_log_handler(level: str | None = None, stream=None, logger_name: s
     logger.setLevel(level.upper())
     if any(getattr(handler, "_plexus", False) for handler in logger.handlers):
         return
-    handler = _PlexusStreamHandler(stream or sys.stderr)
+    handler = _Handler(stream or sys.stderr)
     handler.setFormatter(_Formatter("%(asctime)s [%(levelname)s] [%(short_name)s] %(message)s"))
     logger.addHandler(handler)
     if logger_name == _ROOT:
         logger.propagate = False
+
+
+def application_configured_logging() -> bool:
+    """Whether the application installed handlers (on the root or the `plexus` logger) itself."""
+    return bool(logging.getLogger().handlers or logging.getLogger(_ROOT).handlers)
+
+
+def use_default_log_handler() -> bool:
+    """Install the Plexus handler on the `plexus` logger unless the application configured logging;
+    True if it did (see the module docstring)."""
+    if application_configured_logging():
+        return False
+    use_plexus_log_handler()
+    return True
 
 
 def remove_plexus_log_handler(logger_name: str = _ROOT) -> None:

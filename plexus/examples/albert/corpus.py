@@ -19,6 +19,8 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
+from plexus.errors import UsageError
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]?\s+(?=[\"'(\[]?[A-Z0-9])")
 _WIKI_TITLE = re.compile(r"^ = [^=].* = $")
 _WIKI_HEADING = re.compile(r"^ (= )+.* (= )+$")
@@ -96,17 +98,17 @@ def text_files(path: str) -> list[str]:
 
 
 def check_input(path: str) -> None:
-    """Raise SystemExit, saying what to pass instead, unless `path` holds something we can read."""
+    """Raise UsageError, saying what to pass instead, unless `path` holds something we can read."""
     if not os.path.exists(path):
-        raise SystemExit(
-            f"error: --input_path {path!r} does not exist. Pass a folder of .txt files, "
+        raise UsageError(
+            f"--input_path {path!r} does not exist. Pass a folder of .txt files, "
             f"a WikiText-103 raw file (e.g. wikitext-103-raw/wiki.train.raw), "
             f"or a folder written by datasets' save_to_disk. "
             f"To build the offline demo corpus first, run: python make_demo_corpus.py"
         )
     if not _is_saved_dataset(path) and not text_files(path):
-        raise SystemExit(
-            f"error: {path!r} holds no .txt or .raw files and is not a saved dataset "
+        raise UsageError(
+            f"{path!r} holds no .txt or .raw files and is not a saved dataset "
             f"(no dataset_info.json, dataset_dict.json or state.json); pass one of those"
         )
 
@@ -122,13 +124,13 @@ def _dataset_rows(path: str, split: str, text_column: str) -> Iterable[str]:
     data = datasets.load_from_disk(path)
     if isinstance(data, datasets.DatasetDict):
         if split not in data:
-            raise SystemExit(
-                f"error: {path!r} has splits {sorted(data)}, not {split!r}; pass --split with one of them"
+            raise UsageError(
+                f"{path!r} has splits {sorted(data)}, not {split!r}; pass --split with one of them"
             )
         data = data[split]
     if text_column not in data.column_names:
-        raise SystemExit(
-            f"error: {path!r} has columns {data.column_names}, not {text_column!r}; "
+        raise UsageError(
+            f"{path!r} has columns {data.column_names}, not {text_column!r}; "
             f"pass --text_column with the one holding text"
         )
     return (row[text_column] for row in data)
@@ -144,7 +146,7 @@ def read_documents(
     """
     check_input(path)
     if input_format not in ("auto", "text", "wikitext", "disk"):
-        raise SystemExit(f"error: unknown --input_format {input_format!r}; use auto, text, wikitext or disk")
+        raise UsageError(f"unknown --input_format {input_format!r}; use auto, text, wikitext or disk")
     if input_format == "disk" or (input_format == "auto" and _is_saved_dataset(path)):
         if looks_like_wikitext(_dataset_rows(path, split, text_column)):
             yield from read_wikitext_lines(_dataset_rows(path, split, text_column))

@@ -17,10 +17,11 @@ import logging
 import math
 
 import torch
-from metrics import HISTORY, LocalMetrics, StepMetrics, metrics_key
 from transformers import TrainerCallback
 
 from plexus.utils.timing import get_dht_time
+
+from .metrics import HISTORY, LocalMetrics, StepMetrics, metrics_key
 
 logger = logging.getLogger("plexus.albert")
 

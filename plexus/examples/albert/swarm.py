@@ -1,4 +1,4 @@
-"""Run this example's scripts as a local swarm of child processes (for the demo and the tests).
+"""Run this example's scripts (modules of this package) as a local swarm of child processes (for the demo and the tests).
 
     with LocalSwarm("data/demo_run") as swarm:
         peers = swarm.start_monitor("--refresh_period", "1")
@@ -21,7 +21,6 @@ import subprocess
 import sys
 import time
 
-EXAMPLE_DIR = os.path.dirname(os.path.abspath(__file__))
 _INITIAL_PEERS = re.compile(r"--initial_peers ((?:/\S+ ?)+)")
 _PEER_UP = re.compile(r"Peer (\w+) is up")
 
@@ -67,13 +66,13 @@ class LocalSwarm:
         self.group: int | None = None  # the first child's pid is the group's id
 
     def start(self, name: str, script: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        """Start `python <script> <args>` from the example's folder, as child `name` (`env` adds variables)."""
+        """Start `python -m plexus.examples.albert.<script> <args>` (`script` such as "run_trainer.py")
+        as child `name`, in the current directory (`env` adds variables)."""
         if name in self.processes:
             raise ValueError(f"a child named {name!r} already runs")
         with open(self.log_path(name), "wb") as log:
             process = subprocess.Popen(
-                [self.python, os.path.join(EXAMPLE_DIR, script), *args],
-                cwd=EXAMPLE_DIR,
+                [self.python, "-m", f"{__package__}.{script.removesuffix('.py')}", *args],
                 env={**self.env, **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -24,7 +24,9 @@ def apply_flags(namespace: dict, doc: str, argv: list[str] | None = None) -> arg
     """Parse flags named after the settings in `namespace` and write the values back into it."""
     source = inspect.getsource(inspect.getmodule(inspect.stack()[1].frame))
     helps = {m.group(1): m.group(2) for m in map(_SETTING_LINE.match, source.splitlines()) if m}
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from plexus.cli.errors import ArgumentParser  # short errors: the problem, then where --help is
+
+    parser = ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, value in list(namespace.items()):
         if name.startswith("_") or name.isupper() or not isinstance(value, (bool, int, float, str)):
             continue  # constants, modules, functions and private names are not settings

@@ -20,6 +20,8 @@ import os
 import numpy as np
 import torch
 
+from plexus.errors import UsageError
+
 COLUMNS = ("input_ids", "token_type_ids", "attention_mask", "special_tokens_mask")
 LABEL = "sentence_order_label"
 
@@ -27,8 +29,8 @@ LABEL = "sentence_order_label"
 def read_meta(path: str) -> dict:
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
-        raise SystemExit(
-            f"error: {path!r} is not a tokenized corpus (no meta.json); "
+        raise UsageError(
+            f"{path!r} is not a tokenized corpus (no meta.json); "
             f"create one with: python tokenize_corpus.py --output_dir {path}"
         )
     with open(meta_path) as f:

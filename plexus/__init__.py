@@ -22,7 +22,7 @@ from .compression import (
     serialize_torch_tensor,
 )
 from .dht.dht import DHT
-from .errors import PeerError, PeerMisbehaved, PhaseTimeout, PlexusError, UsageError
+from .errors import PeerError, PeerMisbehaved, PhaseTimeout, PlexusError, RankFailed, UsageError
 from .moe import (
     ModuleBackend,
     RemoteExpert,
@@ -68,6 +68,7 @@ __all__ = [
     "PowerSGDGradientAverager",
     "ProgressTracker",
     "Quantile8BitQuantization",
+    "RankFailed",
     "RemoteExpert",
     "RemoteMixtureOfExperts",
     "RemoteSwitchMixtureOfExperts",

@@ -37,6 +37,8 @@ class Job:
         self.backend = dist.get_backend(process_group)
         self.leader = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         self.timeout = timeout
+        self.bytes_broadcast = 0
+        """Bytes of tensors that went through this job's broadcasts (each counted once, as the leader sent it)."""
 
     @property
     def is_leader(self) -> bool:
@@ -57,6 +59,7 @@ class Job:
         for bucket in _buckets(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in bucket]) if len(bucket) > 1 else None
             target = flat if flat is not None else bucket[0].detach()
+            self.bytes_broadcast += target.numel() * target.element_size()
             try:
                 work = dist.broadcast(target, src=self.leader, group=self.group, async_op=True)
                 work.wait(deadline)

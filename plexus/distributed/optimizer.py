@@ -176,7 +176,9 @@ class DistributedOptimizer:
     def __enter__(self) -> "DistributedOptimizer":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        if exc_type is not None:  # the other ranks may not be leaving with us: only leave the swarm
+            self._failed = True
         self.shutdown()
 
     def __repr__(self) -> str:

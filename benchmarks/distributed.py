@@ -1,6 +1,6 @@
 """plexus.distributed benchmark: two peers of 2 ranks each (gloo, DDP) against two peers of 1 rank.
 
-Run: `.venv/bin/python benchmarks/distributed.py [--epochs 5] [--target 1024] [--hidden 1024]`
+Run: `.venv/bin/python benchmarks/distributed.py [--epochs 4] [--target 4096] [--hidden 1024]`
 
 Model: MLP 256-hidden-256 (0.5 M parameters at hidden 1024), SGD, batch 32 per rank of random rows
 (mean squared error); every rank uses one torch thread, and every peer is a job of spawned
@@ -146,8 +146,8 @@ def run_setup(world_size: int, args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=5, help="epochs measured after one warm-up epoch")
-    parser.add_argument("--target", type=int, default=1024, help="target_batch_size")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs measured after one warm-up epoch")
+    parser.add_argument("--target", type=int, default=4096, help="target_batch_size")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden width of the MLP")
     parser.add_argument("--verbose", action="store_true", help="rank 0 logs every epoch and round")
     args = parser.parse_args()

@@ -52,7 +52,9 @@ def run_rank(
     is passed once every optimizer is built. `stop` (an Event; single-rank jobs only, whose one
     rank decides alone) ends training. `config["die_at_epoch"]`: `(job, epoch)` whose rank 0 dies
     inside its first gradient all-reduce from that epoch on. `config["step_delay"]` paces the loop
-    (compute time per batch; nothing waits on it). `config["no_dht"]`: rank 0 forgets its DHT."""
+    (compute time per batch; nothing waits on it). `config["no_dht"]`: rank 0 forgets its DHT.
+    `config["out_of_order"]`: rank 1 asks for the optimizer state, then calls load_state_from_peers()
+    where rank 0 calls step()."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -99,39 +101,41 @@ def run_rank(
     generator = torch.Generator().manual_seed(1000 * job + rank)
     contributions: dict[int, list[int]] = {}
     pending: list[int] = []
-    loaded_at, error, failed_at = [], None, None
+    loaded_at, error, failed_at, refused = [], None, None, None
     deadline = time.monotonic() + config.get("deadline", 60)
     doomed, epochs = config.get("die_at_epoch"), config.get("epochs")
     try:
-        while (
-            (epochs is None or opt.local_epoch < epochs)
-            and time.monotonic() < deadline
-            and not (stop is not None and stop.is_set())
-        ):
-            if doomed is not None and doomed[0] == job and rank == 0 and opt.local_epoch >= doomed[1]:
-                opt.optimizer.grad_averager.allreduce_runner = DyingRunner
-            epoch, loads = opt.local_epoch, opt.state_loads
-            rows = torch.randint(0, NUM_SAMPLES, (batch,), generator=generator)
-            ((model(inputs[rows]) - targets[rows]) ** 2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            pending.extend(rows.tolist())
-            if opt.state_loads != loads:
-                pending = []  # a download replaced the state: these rows never reached the swarm
-                loaded_at.append(opt.local_epoch)
-                if epochs is None and "more_epochs" in config:  # every rank reads the leader's epoch
-                    epochs = opt.local_epoch + config["more_epochs"]
-            elif opt.local_epoch != epoch:
-                contributions.setdefault(epoch, []).extend(pending)
-                pending = []
-            if opt.local_epoch != epoch and rank == 0:
-                events.put(("epoch", job, opt.local_epoch))
-            if config.get("step_delay"):
-                time.sleep(config["step_delay"])
+        with opt:  # leaving on an exception only leaves the swarm (no collective)
+            while (
+                (epochs is None or opt.local_epoch < epochs)
+                and time.monotonic() < deadline
+                and not (stop is not None and stop.is_set())
+            ):
+                if doomed is not None and doomed[0] == job and rank == 0 and opt.local_epoch >= doomed[1]:
+                    opt.optimizer.grad_averager.allreduce_runner = DyingRunner
+                epoch, loads = opt.local_epoch, opt.state_loads
+                rows = torch.randint(0, NUM_SAMPLES, (batch,), generator=generator)
+                ((model(inputs[rows]) - targets[rows]) ** 2).mean().backward()
+                if config.get("out_of_order") and rank == 1:
+                    refused = _refused(opt.state_dict)
+                    opt.load_state_from_peers()
+                opt.step()
+                opt.zero_grad()
+                pending.extend(rows.tolist())
+                if opt.state_loads != loads:
+                    pending = []  # a download replaced the state: these rows never reached the swarm
+                    loaded_at.append(opt.local_epoch)
+                    if epochs is None and "more_epochs" in config:  # every rank reads the leader's epoch
+                        epochs = opt.local_epoch + config["more_epochs"]
+                elif opt.local_epoch != epoch:
+                    contributions.setdefault(epoch, []).extend(pending)
+                    pending = []
+                if opt.local_epoch != epoch and rank == 0:
+                    events.put(("epoch", job, opt.local_epoch))
+                if config.get("step_delay"):
+                    time.sleep(config["step_delay"])
     except Exception as failure:  # reported, and the test says whether it was expected
         error, failed_at = failure, time.time()
-    finally:
-        opt.shutdown()
     outcome = dict(
         epoch=opt.local_epoch,
         params=[p.detach().clone().numpy() for p in model.parameters()],
@@ -141,9 +145,21 @@ def run_rank(
         rounds=opt.optimizer.rounds_averaged if opt.optimizer is not None else None,
         error=None if error is None else (type(error).__name__, str(error), getattr(error, "phase", None)),
         failed_at=failed_at,
+        refused=refused,
     )
     if dht is not None:
         dht.shutdown()
     results.put(("done", job, rank, outcome))
     if error is None:
         dist.destroy_process_group()
+
+
+def _refused(call) -> str | None:
+    """The message of the UsageError that `call()` raised, or None."""
+    from plexus.errors import UsageError
+
+    try:
+        call()
+    except UsageError as error:
+        return str(error)
+    return None

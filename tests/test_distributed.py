@@ -178,6 +178,16 @@ def test_rank_0_without_a_dht_fails_every_rank_at_construction(swarm):
     assert outcomes[0, 1]["error"][0] == "RankFailed" and "construction" in outcomes[0, 1]["error"][1]
 
 
+@pytest.mark.timeout(90)
+def test_ranks_calling_different_methods_fail_instead_of_mixing_up(swarm):
+    swarm.start(0, 2, dict(out_of_order=True, target_batch_size=64, epochs=1))
+    outcomes = swarm.collect([(0, 0), (0, 1)], timeout=80)
+    follower = outcomes[0, 1]
+    assert follower["refused"] is not None and "rank 0" in follower["refused"], "state_dict lives on rank 0"
+    assert follower["error"][0] == "RankFailed" and "same methods in the same order" in follower["error"][1]
+    assert outcomes[0, 0]["error"] is not None, "rank 0 stopped too (its next collective lost rank 1)"
+
+
 @pytest.fixture
 def single_rank_group():
     """A one-rank gloo group in this process (no port: an in-memory store)."""

@@ -121,7 +121,8 @@ def test_two_jobs_of_two_ranks_train_like_one_process_with_the_global_batch(swar
 @pytest.mark.slow
 def test_a_newcomer_job_loads_the_state_on_rank_0_and_hands_it_to_its_ranks(swarm):
     stop = CONTEXT.Event()
-    training = dict(num_jobs=2, target_batch_size=64, step_delay=0.05, deadline=180)
+    # epochs of about a second: much shorter ones, and the two peers often miss each other's rounds
+    training = dict(num_jobs=2, target_batch_size=256, step_delay=0.05, deadline=180)
     swarm.start(0, 1, dict(training), stop=stop)  # a one-rank job keeps the swarm going
     swarm.wait_for_epoch(0, 2, timeout=120)
     swarm.start(1, 2, dict(training, more_epochs=5))

@@ -54,7 +54,8 @@ def run_rank(
     inside its first gradient all-reduce from that epoch on. `config["step_delay"]` paces the loop
     (compute time per batch; nothing waits on it). `config["no_dht"]`: rank 0 forgets its DHT.
     `config["out_of_order"]`: rank 1 asks for the optimizer state, then calls load_state_from_peers()
-    where rank 0 calls step()."""
+    where rank 0 calls step(). `config["stall"]`: seconds rank 0 hangs between its first backward
+    and step (a stuck rank; its followers wait in step())."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -116,6 +117,8 @@ def run_rank(
                 epoch, loads = opt.local_epoch, opt.state_loads
                 rows = torch.randint(0, NUM_SAMPLES, (batch,), generator=generator)
                 ((model(inputs[rows]) - targets[rows]) ** 2).mean().backward()
+                if config.get("stall") and rank == 0:
+                    time.sleep(config.pop("stall"))  # a stuck rank, not a way to wait for anything
                 if config.get("out_of_order") and rank == 1:
                     refused = _refused(opt.state_dict)
                     opt.load_state_from_peers()

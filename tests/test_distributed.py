@@ -189,6 +189,15 @@ def test_ranks_calling_different_methods_fail_instead_of_mixing_up(swarm):
     assert outcomes[0, 0]["error"] is not None, "rank 0 stopped too (its next collective lost rank 1)"
 
 
+@pytest.mark.timeout(90)
+def test_a_stalled_leader_fails_its_followers_after_the_timeout(swarm):
+    config = dict(stall=12.0, timeout=3.0, target_batch_size=64, epochs=1)
+    swarm.start(0, 2, config)
+    follower = swarm.collect([(0, 1)], timeout=80)[0, 1]
+    assert follower["error"][0] == "RankFailed" and "did not answer within 3 s" in follower["error"][1]
+    assert follower["error"][2] == "step"
+
+
 @pytest.fixture
 def single_rank_group():
     """A one-rank gloo group in this process (no port: an in-memory store)."""

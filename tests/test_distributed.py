@@ -191,7 +191,7 @@ def test_ranks_calling_different_methods_fail_instead_of_mixing_up(swarm):
 
 @pytest.mark.timeout(90)
 def test_a_stalled_leader_fails_its_followers_after_the_timeout(swarm):
-    config = dict(stall=12.0, timeout=3.0, target_batch_size=64, epochs=1)
+    config = dict(stall=8.0, timeout=3.0, target_batch_size=64, epochs=1)
     swarm.start(0, 2, config)
     follower = swarm.collect([(0, 1)], timeout=80)[0, 1]
     assert follower["error"][0] == "RankFailed" and "did not answer within 3 s" in follower["error"][1]

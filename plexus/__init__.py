@@ -7,7 +7,7 @@ on first use (`plexus.DHT` imports the DHT, `plexus.Optimizer` the training stac
 
 from typing import TYPE_CHECKING
 
-from .errors import PeerError, PeerMisbehaved, PhaseTimeout, PlexusError, UsageError
+from .errors import PeerError, PeerMisbehaved, PhaseTimeout, PlexusError, RankFailed, UsageError
 from .utils.exports import lazy_exports
 from .version import __version__
 
@@ -107,6 +107,7 @@ __all__ = [
     "ProgressTracker",
     "Quantile8BitQuantization",
     "RPCError",
+    "RankFailed",
     "RemoteExpert",
     "RemoteExpertError",
     "RemoteMixtureOfExperts",

@@ -7,6 +7,7 @@
   spelling of "the peer sent garbage" (malformed, oversized, out of order, non-finite, forged).
 - `PhaseTimeout`: a deadline ran out; `phase` names what was under way ("dial", "matchmaking",
   "all-reduce part 3", ...). It is also a `TimeoutError`.
+- `RankFailed`: another rank of this peer's own `torch.distributed` job crashed or stalled.
 
 Catch `PlexusError` to catch everything Plexus raises on purpose.
 """
@@ -59,3 +60,17 @@ class PhaseTimeout(PlexusError, TimeoutError):
     def __init__(self, message: str, *, phase: str | None = None):
         super().__init__(message)
         self.phase = phase
+
+
+class RankFailed(PlexusError):
+    """Another rank of this peer's `torch.distributed` job crashed, stalled past the job's timeout, or
+    failed its step: the job cannot go on with its round, so this rank stops too.
+
+    Attributes:
+        rank: the rank that failed, when known (None when a collective only saw someone missing).
+        phase: what the job was doing, e.g. "step", "construction", "load state".
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, phase: str | None = None):
+        super().__init__(message)
+        self.rank, self.phase = rank, phase

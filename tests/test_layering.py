@@ -106,3 +106,11 @@ def test_leaves_do_not_import_networking():
                 assert f"from ..{layer}" not in text and f"plexus.{layer}" not in text, (
                     f"{path} imports {layer}"
                 )
+
+
+def test_the_layers_below_the_distributed_one_do_not_import_it():
+    """plexus/distributed/ sits on top of the Optimizer: only the CLI and examples may use it."""
+    for layer in ("p2p", "dht", "averaging", "optim", "moe", "compression", "utils"):
+        for path in (PACKAGE / layer).rglob("*.py"):
+            text = path.read_text()
+            assert "from ..distributed" not in text and "plexus.distributed" not in text, f"{path} imports it"

@@ -21,11 +21,13 @@ import subprocess
 import sys
 import time
 
+from plexus.errors import PlexusError
+
 _INITIAL_PEERS = re.compile(r"--initial_peers ((?:/\S+ ?)+)")
 _PEER_UP = re.compile(r"Peer (\w+) is up")
 
 
-class SwarmError(RuntimeError):
+class SwarmError(PlexusError, RuntimeError):
     """A child failed (or a wait timed out); the message quotes the end of its log."""
 
 

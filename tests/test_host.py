@@ -11,7 +11,7 @@ from plexus.p2p.connection import MAX_PLAINTEXT_BUFFERS, Connection
 from plexus.p2p.host import DialError, Host, HostOptions
 from plexus.p2p.identity import PrivateKey, load_or_create_identity
 from plexus.p2p.multiaddr import Multiaddr
-from plexus.p2p.protocols.multistream import NegotiationError
+from plexus.p2p.protocols.multistream import HEADER, NegotiationError, encode_message
 from plexus.p2p.protocols.noise import AESGCM_SUITE, CHACHAPOLY_SUITE
 from plexus.p2p.stream import StreamError, StreamResetError
 
@@ -136,6 +136,56 @@ def test_a_peer_without_a_common_cipher_suite_is_refused():
             await a.connect(b.get_visible_maddrs()[0])
         (c,) = await hosts(1)
         assert await c.ping(b.get_visible_maddrs()[0]) < 5  # still serving
+        await shutdown(a, b, c)
+
+    run(main())
+
+
+def test_the_first_noise_message_travels_with_the_cipher_proposal():
+    """A dialer does not wait a round trip for the listener's yes to its cipher suite: a listener
+    that never answers still receives the proposal and the first Noise message."""
+
+    async def main():
+        first_bytes = asyncio.get_running_loop().create_future()
+        wanted = encode_message(HEADER) + encode_message(AESGCM_SUITE.protocol_id)
+
+        async def silent(reader, writer):
+            data = b""
+            while len(data) < len(wanted) + 2 + 32:  # Noise frame: 2-byte length, 32-byte ephemeral key
+                data += await reader.read(4096)
+            first_bytes.set_result(data)
+            await reader.read()  # the dialer gives up and closes
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        (a,) = await hosts(1, dial_timeout=20)
+        b = PrivateKey.generate().peer_id
+        dial = asyncio.ensure_future(a.connect(f"/ip4/127.0.0.1/tcp/{port}/p2p/{b}"))
+        data = await asyncio.wait_for(first_bytes, 10)
+        assert data.startswith(wanted) and data[len(wanted) : len(wanted) + 2] == b"\x00\x20"
+        dial.cancel()
+        await shutdown(a)
+        server.close()
+        await server.wait_closed()
+
+    run(main())
+
+
+def test_a_listener_without_our_first_cipher_suite_is_dialed_again_without_optimism():
+    async def main():
+        a = await Host(host_maddrs=LOCAL).start()
+        b = await Host(host_maddrs=LOCAL, noise_ciphers=("ChaChaPoly",)).start()
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        for _ in range(2):  # the second dial knows at once to propose the suites one at a time
+            stream = await a.new_stream(b.get_visible_maddrs()[0], ["/test/echo/1.0.0"])
+            await stream.write(b"hello")
+            assert await stream.readexactly(5) == b"hello"
+            assert a.peer_info(b.peer_id).refuses_optimism
+            assert a._connections[b.peer_id][0].noise_suite is CHACHAPOLY_SUITE
+            await a.disconnect(b.peer_id)
+        (c,) = await hosts(1)
+        assert await c.ping(b.get_visible_maddrs()[0]) < 5  # the refused attempt left b serving
         await shutdown(a, b, c)
 
     run(main())

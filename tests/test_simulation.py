@@ -60,6 +60,19 @@ def test_calls_pay_a_handshake_first_and_time_out_on_a_departed_peer():
     assert internet.handshakes == 1
 
 
+def test_a_call_waiting_for_its_handshake_does_not_hold_up_the_uplink():
+    sim, internet, a, b = two_peers(handshake_rtts=4.0, idle_timeout=60.0)
+    c = internet.add_peer()
+    arrivals = []
+    b.handler = lambda sender, message, reply: arrivals.append((sim.now, message))
+    c.handler = lambda sender, message, reply: arrivals.append((sim.now, message))
+    internet.call(a, c, "dial", 10, timeout=30.0, on_done=lambda r: None)  # a new connection: 4 RTT
+    internet.send(a, b, "meanwhile", size=10)
+    sim.run(until=30.0)
+    assert [message for _, message in arrivals] == ["meanwhile", "dial"]
+    assert arrivals[0][0] < internet.rtt(a, c)  # it did not wait for the set-up to c
+
+
 def test_volunteer_sessions_are_heavy_tailed_around_the_median():
     internet = Internet(Simulator(seed=3), InternetOptions(median_session=3600.0))
     sessions = [internet.session_length() for _ in range(20000)]

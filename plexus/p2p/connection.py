@@ -2,7 +2,10 @@
 
 Security: the dialer proposes its Noise cipher suites in order of preference (by default AESGCM
 under Plexus's own protocol id, then libp2p's "/noise"), the listener takes the first it also
-has. Another libp2p peer answers "na" to the first, which costs one round trip before "/noise".
+has. The host's dials are optimistic: the first Noise message leaves with the first proposal, so a
+Plexus peer is reached in one round trip less. Another libp2p peer answers "na" to it and reads the
+Noise message as garbage; the host then dials it again proposing one suite at a time (and
+remembers to, for that peer).
 
 Theory of operation. The connection is an asyncio BufferedProtocol reading into one linear
 buffer. During the upgrade, an `_upgrade` coroutine pulls bytes from that buffer and feeds the
@@ -52,7 +55,7 @@ from .identity import PeerID, PrivateKey, PublicKey
 from .multiaddr import Multiaddr, from_socket_address
 from .protocols import yamux
 from .protocols.errors import ProtocolError, RemoteProtocolError
-from .protocols.multistream import MultistreamDialer, MultistreamListener
+from .protocols.multistream import MultistreamDialer, MultistreamListener, NegotiationError
 from .protocols.noise import SUITES, CipherSuite, NoiseHandshake, NoiseTransport
 from .protocols.relay import Limit
 from .stream import Stream
@@ -83,6 +86,10 @@ class Phase(enum.Enum):
 
 class ConnectionClosedError(PeerError, ConnectionError):
     """The connection is closed (its streams are reset)."""
+
+
+class OptimismRefused(ConnectionError):
+    """The listener did not take the cipher suite we sent our first Noise message behind."""
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -194,19 +201,21 @@ class Connection(asyncio.BufferedProtocol):
 
     # --- the upgrade ----------------------------------------------------------------------------
 
-    async def upgrade(self) -> None:
-        """Negotiate Noise, authenticate the peer, negotiate yamux. Raises on any failure."""
+    async def upgrade(self, optimistic: bool = False) -> None:
+        """Negotiate Noise, authenticate the peer, negotiate yamux. Raises on any failure.
+
+        With `optimistic`, a dialer sends its first Noise message right behind its first cipher suite's proposal instead of
+        waiting for the answer; a listener that refuses that suite reads the Noise message as
+        garbage, so that failure raises OptimismRefused and the caller dials again without it."""
         try:
             await self._made.wait()
-            suites = {suite.protocol_id: suite for suite in self.noise_suites}
-            self.noise_suite = suites[await self._negotiate_plaintext(list(suites))]
-            handshake = NoiseHandshake(
-                self.local_key,
-                initiator=self.initiator,
-                expected_peer=self.expected_peer,
-                suite=self.noise_suite,
-            )
-            self._write_raw(handshake.data_to_send())
+            if self.initiator and optimistic:
+                handshake = await self._secure_optimistically()
+            else:
+                suites = {suite.protocol_id: suite for suite in self.noise_suites}
+                self.noise_suite = suites[await self._negotiate_plaintext(list(suites))]
+                handshake = self._handshake()
+                self._write_raw(handshake.data_to_send())
             while not handshake.complete:
                 handshake.receive_data(await self._read_raw())
                 self._write_raw(handshake.data_to_send())
@@ -221,6 +230,31 @@ class Connection(asyncio.BufferedProtocol):
         self.phase = Phase.MUXED
         if leftover or self._start < self._end:
             self._plain_input(leftover)
+
+    def _handshake(self) -> NoiseHandshake:
+        return NoiseHandshake(
+            self.local_key,
+            initiator=self.initiator,
+            expected_peer=self.expected_peer,
+            suite=self.noise_suite,
+        )
+
+    async def _secure_optimistically(self) -> NoiseHandshake:
+        """Propose our first suite and send the first Noise message in the same write."""
+        self.noise_suite = self.noise_suites[0]
+        core = MultistreamDialer([self.noise_suite.protocol_id])
+        handshake = self._handshake()
+        self._write_raw(core.data_to_send() + handshake.data_to_send())
+        try:
+            while core.selected is None:
+                core.receive_data(await self._read_raw())
+        except (NegotiationError, ConnectionError) as error:
+            raise OptimismRefused(
+                f"the listener did not take {self.noise_suite.protocol_id} with the Noise message sent "
+                f"along ({error})"
+            ) from error
+        self._prepend_raw(core.unused_data)
+        return handshake
 
     async def _negotiate_plaintext(self, protocols: list[str]) -> str:
         core = MultistreamDialer(protocols) if self.initiator else MultistreamListener(protocols)

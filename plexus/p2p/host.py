@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ..errors import PeerError
 from ..utils.logging import RateLimitedLog, get_logger
 from .auth import AUTH_PROTOCOL, AuthGate, AuthorizerBase
-from .connection import Connection, host_decrypt_buffers
+from .connection import Connection, OptimismRefused, host_decrypt_buffers
 from .host_options import HostOptions
 from .identify import AGENT_VERSION, IdentifyService, describe
 from .identity import PeerID, PrivateKey
@@ -65,6 +65,8 @@ class PeerInfo:
     protocols: list[str] = field(default_factory=list)
     agent_version: str | None = None
     observed_addr: Multiaddr | None = None
+    refuses_optimism: bool = False
+    """It refused our first cipher suite with a Noise message sent along (see `Connection.upgrade`)."""
 
 
 class Host:
@@ -409,14 +411,23 @@ class Host:
             return await self.circuit_dialer(peer_id, addr)
         host, port, _ = parse_host_port(addr)
         loop = asyncio.get_running_loop()
-        connection = self.make_connection(initiator=True, expected_peer=peer_id)
-        try:
-            async with asyncio.timeout(self.options.dial_timeout):
-                await loop.create_connection(lambda: self.protect(connection), host, port)
-                await connection.upgrade()
-        except BaseException as error:
-            connection.abort(f"dial failed: {error!r}")
-            raise
+        async with asyncio.timeout(self.options.dial_timeout):
+            optimistic = not self.peer_store_entry(peer_id).refuses_optimism
+            while True:
+                connection = self.make_connection(initiator=True, expected_peer=peer_id)
+                try:
+                    await loop.create_connection(lambda: self.protect(connection), host, port)
+                    await connection.upgrade(optimistic=optimistic)
+                    break
+                except OptimismRefused:
+                    # a peer that lacks our first cipher suite (a plain libp2p one): dial it again the
+                    # slow way, and from now on at once
+                    connection.abort("dial failed: the listener refused our first cipher suite")
+                    self.peer_store_entry(peer_id).refuses_optimism = True
+                    optimistic = False
+                except BaseException as error:
+                    connection.abort(f"dial failed: {error!r}")
+                    raise
         self._register(connection)
         return connection
 

@@ -194,7 +194,14 @@ class Internet:
         return self.options.handshake_rtts * self.rtt(src, dst)
 
     def _transmit(self, src: Peer, dst: Peer, size: int, delay: float, deliver, *args) -> None:
-        """Queue `size` bytes on src's uplink (after `delay`); `deliver(*args)` once dst has taken them."""
+        """Queue `size` bytes on src's uplink (after `delay`); `deliver(*args)` once dst has taken them.
+
+        A message held by a connection set-up joins the uplink's queue only once the set-up is
+        over: meanwhile the uplink carries the peer's other messages (a busy peer dials new peers
+        all the time, and would otherwise stall every answer behind each dial)."""
+        if delay > QUEUE_SLACK:
+            self.sim.after(delay, self._transmit, src, dst, size, 0.0, deliver, *args)
+            return
         departure = max(self.sim.now + delay, src.uplink_free) + size * 8 / src.up
         src.uplink_free = departure
         src.messages_sent += 1

@@ -88,7 +88,7 @@ class ConnectionClosedError(PeerError, ConnectionError):
     """The connection is closed (its streams are reset)."""
 
 
-class OptimismRefused(ConnectionError):
+class OptimismRefused(PeerError, ConnectionError):
     """The listener did not take the cipher suite we sent our first Noise message behind."""
 
 
@@ -232,6 +232,7 @@ class Connection(asyncio.BufferedProtocol):
             self._plain_input(leftover)
 
     def _handshake(self) -> NoiseHandshake:
+        assert self.noise_suite is not None, "a suite is chosen before the handshake starts"
         return NoiseHandshake(
             self.local_key,
             initiator=self.initiator,

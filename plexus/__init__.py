@@ -35,6 +35,8 @@ from .moe import (
     register_expert_class,
 )
 from .optim import (
+    DiLoCoOptimizer,
+    DiLoCoOptions,
     GradientAverager,
     GradScaler,
     Optimizer,
@@ -53,6 +55,8 @@ __all__ = [
     "CompressionBase",
     "CompressionInfo",
     "DecentralizedAverager",
+    "DiLoCoOptimizer",
+    "DiLoCoOptions",
     "Float16Compression",
     "GradScaler",
     "GradientAverager",

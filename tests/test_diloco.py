@@ -1,0 +1,325 @@
+"""DiLoCoOptimizer on real hosts over 127.0.0.1: peers are threads of this process, one DHT each.
+
+Equivalence tolerance (2e-5 absolute, on parameters of size ~0.1-1): the swarm and the reference run
+the same float32 inner steps on the same batches, bit for bit; they differ only in how the
+pseudo-gradients are averaged (the all-reduce's `acc += w * x; acc / sum(w)` per part, against
+`torch.stack(...).mean(0)`), a few ulps per round, which the outer optimizer's momentum carries on
+(lr 0.7, three rounds). For contrast, the test checks that leaving out one peer's pseudo-gradient
+in one round moves the parameters by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from plexus import DHT, DiLoCoOptimizer, DiLoCoOptions, UsageError
+from plexus.optim.diloco import split_into_fragments
+from plexus.optim.diloco_options import default_outer_optimizer
+from plexus.testing import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+FEATURES, BATCH, TOLERANCE = 6, 8, 2e-5
+
+
+def make_swarm(n: int) -> list[DHT]:
+    first = DHT(start=True, host_maddrs=LOCAL)
+    return [first] + [
+        DHT(initial_peers=first.get_visible_maddrs(), start=True, host_maddrs=LOCAL) for _ in range(n - 1)
+    ]
+
+
+def make_model() -> torch.nn.Module:
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    torch.random.set_rng_state(state)
+    return model
+
+
+def batches(peer: int):
+    """Peer `peer`'s endless batches of a smooth regression task."""
+    generator = torch.Generator().manual_seed(100 + peer)
+    weights = torch.randn(FEATURES, 1, generator=torch.Generator().manual_seed(7))
+    while True:
+        inputs = torch.randn(BATCH, FEATURES, generator=generator)
+        yield inputs, torch.sin(inputs @ weights)
+
+
+def loss_of(model, inputs, targets) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+INNER = functools.partial(torch.optim.AdamW, lr=0.01)
+
+
+def fast_options(n: int, **overrides) -> DiLoCoOptions:
+    options = dict(
+        batch_size_per_step=BATCH,
+        matchmaking_time=1.0,
+        averaging_timeout=30.0,
+        averager_opts=dict(target_group_size=n, min_group_size=min(n, 2), request_timeout=0.5),
+        tracker_opts=dict(min_refresh_period=0.1, max_refresh_period=1.0),
+    )
+    options.update(overrides)
+    return DiLoCoOptions(**options)
+
+
+class Peers:
+    """N DiLoCo peers, each with its own model and batches, trained by one thread each."""
+
+    def __init__(self, n: int, options: DiLoCoOptions, run_id: str = "diloco"):
+        self.dhts = make_swarm(n)
+        self.models = [make_model() for _ in range(n)]
+        self.optimizers = [
+            DiLoCoOptimizer(
+                dht=dht, run_id=run_id, params=model.parameters(), inner_optimizer=INNER, options=options
+            )
+            for dht, model in zip(self.dhts, self.models)
+        ]
+        self.batches = [batches(i) for i in range(n)]
+        self.errors: list[BaseException] = []
+        wait_until(
+            lambda: all(o.tracker.fetch_global_progress_now().num_peers >= n - 1 for o in self.optimizers),
+            timeout=30,
+            message="every peer sees the others",
+        )
+
+    def train(self, steps: int, peers=None, before_step=None, step_delay: float = 0.0) -> None:
+        """`steps` batches on each of `peers` (default all), at once; `step_delay`: seconds of
+        stand-in compute per batch (paces the loop; nothing waits on it)."""
+
+        def run(i: int) -> None:
+            try:
+                model, optimizer = self.models[i], self.optimizers[i]
+                for _ in range(steps):
+                    inputs, targets = next(self.batches[i])
+                    loss_of(model, inputs, targets).backward()
+                    if before_step is not None:
+                        before_step(i, model)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if step_delay:
+                        time.sleep(step_delay)
+            except BaseException as error:
+                self.errors.append(error)
+                raise
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (peers or range(len(self.models)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not self.errors, self.errors
+
+    def close(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.shutdown()
+        for dht in self.dhts:
+            dht.shutdown()
+
+
+def reference(n: int, inner_steps: int, rounds: int, leave_out: tuple[int, int] | None = None):
+    """The same DiLoCo in one process: n workers, same batches, exact mean of the pseudo-gradients."""
+    global_model = make_model()
+    outer = default_outer_optimizer(global_model.parameters())
+    workers = [make_model() for _ in range(n)]
+    inners = [INNER(worker.parameters()) for worker in workers]
+    streams = [batches(i) for i in range(n)]
+    for round_index in range(rounds):
+        deltas = []
+        for i, (worker, inner) in enumerate(zip(workers, inners)):
+            with torch.no_grad():
+                for mine, theirs in zip(worker.parameters(), global_model.parameters()):
+                    mine.copy_(theirs)
+            for _ in range(inner_steps):
+                inputs, targets = next(streams[i])
+                loss_of(worker, inputs, targets).backward()
+                inner.step()
+                inner.zero_grad()
+            if leave_out != (round_index, i):
+                deltas.append(
+                    [g.detach() - w.detach() for g, w in zip(global_model.parameters(), worker.parameters())]
+                )
+        for param, parts in zip(global_model.parameters(), zip(*deltas)):
+            param.grad = torch.stack(parts).mean(0)
+        outer.step()
+        outer.zero_grad()
+    return [param.detach().clone() for param in global_model.parameters()]
+
+
+def distance(a, b) -> float:
+    return max(float((x.detach() - y.detach()).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_swarm_matches_one_process_running_the_same_algorithm(n):
+    inner_steps, rounds = 5, 3
+    peers = Peers(
+        n,
+        fast_options(
+            n,
+            inner_steps=inner_steps,
+            averager_opts=dict(target_group_size=n, min_group_size=n, request_timeout=0.5),
+        ),
+    )
+    try:
+        peers.train(inner_steps * rounds)
+        for optimizer in peers.optimizers:
+            assert [r.peers for r in optimizer.rounds] == [n] * rounds, "every round averaged everyone"
+            assert optimizer.local_epoch == rounds
+        expected = reference(n, inner_steps, rounds)
+        misplaced = reference(n, inner_steps, rounds, leave_out=(1, 0))
+        for model in peers.models:
+            assert distance(model.parameters(), expected) <= TOLERANCE
+        assert distance(misplaced, expected) > 100 * TOLERANCE, "the bound could hide a missing peer"
+    finally:
+        peers.close()
+
+
+def test_a_peer_alone_applies_its_own_pseudo_gradient():
+    peers = Peers(1, fast_options(1, inner_steps=4))
+    try:
+        peers.train(8)
+        optimizer = peers.optimizers[0]
+        assert [r.peers for r in optimizer.rounds] == [1, 1]
+        assert distance(peers.models[0].parameters(), reference(1, 4, 2)) <= TOLERANCE
+    finally:
+        peers.close()
+
+
+def test_target_batch_size_ends_rounds_by_the_swarms_samples():
+    """Two peers, target 256 samples: a round ends when both together processed about that many."""
+    peers = Peers(2, fast_options(2, target_batch_size=256))
+    try:
+        peers.train(100, step_delay=0.02)
+        rounds = peers.optimizers[0].rounds
+        assert len(rounds) >= 2
+        assert all(r.peers == 2 for r in rounds), [r.peers for r in rounds]
+        # the first round may end on one peer's count (the other's speed is not known yet); later
+        # ones end on both peers' samples
+        assert all(r.weight < 256 for r in rounds[1:]), ("a share of the target, not all of it", rounds)
+        first, second = peers.optimizers
+        assert first.local_epoch == second.local_epoch
+        assert distance(first.fragments[0].start, second.fragments[0].start) == 0, "one outer update"
+    finally:
+        peers.close()
+
+
+def test_nan_pseudo_gradients_of_one_peer_do_not_poison_the_others():
+    """Peer 2's parameters go NaN at a round's end (its own training diverged): it sends nothing then,
+    and the others average without it; a NaN sender that bypasses that check is excluded by the
+    averager (tests/test_averager_attacks.py)."""
+    peers = Peers(3, fast_options(3, inner_steps=4))
+    step = {"count": 0}
+
+    def spoil(i, model):
+        if i == 2:
+            step["count"] += 1
+            if step["count"] == 4:  # the round's last inner step starts from NaN parameters
+                with torch.no_grad():
+                    model[0].weight.fill_(float("nan"))
+
+    try:
+        peers.train(8, before_step=spoil)
+        for i, model in enumerate(peers.models):
+            assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), f"peer {i} poisoned"
+        assert peers.optimizers[2].dropped_rounds == 1
+        assert peers.optimizers[2].rounds[0].weight == 0
+        assert distance(peers.models[0].parameters(), peers.models[1].parameters()) == 0
+    finally:
+        peers.close()
+
+
+def test_a_peer_that_joins_mid_training_downloads_the_state_and_contributes():
+    options = fast_options(3, inner_steps=4)
+    peers = Peers(2, options)
+    try:
+        peers.train(12)  # three rounds without the newcomer
+        dht = DHT(initial_peers=peers.dhts[0].get_visible_maddrs(), start=True, host_maddrs=LOCAL)
+        model = make_model()
+        late = DiLoCoOptimizer(
+            dht=dht, run_id="diloco", params=model.parameters(), inner_optimizer=INNER, options=options
+        )
+        peers.dhts.append(dht)
+        peers.models.append(model)
+        peers.optimizers.append(late)
+        peers.batches.append(batches(2))
+        inputs, targets = next(peers.batches[2])
+        loss_of(model, inputs, targets).backward()
+        late.step()  # sees the swarm at round 3, so it loads before its first inner step
+        late.zero_grad()
+        assert late.state_loads == 1 and late.local_epoch == 3
+        survivor = peers.optimizers[0]
+        for mine, theirs in zip(late.fragments[0].start, survivor.fragments[0].start):
+            assert torch.equal(mine, theirs), "the round-start parameters, as the swarm has them"
+        for mine, theirs in zip(
+            late.fragments[0].outer.state.values(), survivor.fragments[0].outer.state.values()
+        ):
+            assert torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"]), "the outer momentum too"
+        peers.train(8)  # the newcomer counts its steps from the round's start: all three meet
+        assert [r.peers for r in late.rounds] == [3, 3]
+        assert [r.peers for r in survivor.rounds[3:]] == [3, 3]
+    finally:
+        peers.close()
+
+
+def test_bad_options_are_usage_errors():
+    with pytest.raises(UsageError, match="exactly one of"):
+        DiLoCoOptions()
+    with pytest.raises(UsageError, match="exactly one of"):
+        DiLoCoOptions(target_batch_size=10, inner_steps=5)
+    with pytest.raises(UsageError, match="inner_steps must be a positive"):
+        DiLoCoOptions(inner_steps=0)
+    with pytest.raises(UsageError, match="compression must be one of"):
+        DiLoCoOptions(inner_steps=5, compression="int3")
+    with pytest.raises(UsageError, match="give inner_steps"):
+        DiLoCoOptions(target_batch_size=64, fragments=2)
+    with pytest.raises(UsageError, match="cannot exceed inner_steps"):
+        DiLoCoOptions(inner_steps=2, fragments=4)
+    with pytest.raises(UsageError, match="mixing"):
+        DiLoCoOptions(inner_steps=4, mixing=1.5)
+    with pytest.raises(UsageError, match="matchmaking_time"):
+        DiLoCoOptions(inner_steps=4, matchmaking_time=math.nan)
+    with pytest.raises(UsageError, match="averager_opts may not set"):
+        DiLoCoOptions(inner_steps=4, averager_opts=dict(prefix="x"))
+    with pytest.raises(UsageError, match="topk_fraction"):
+        DiLoCoOptions(inner_steps=4, compression="topk", topk_fraction=0)
+    dht = DHT(start=True, host_maddrs=LOCAL)
+    try:
+        model = make_model()
+        good = DiLoCoOptions(inner_steps=4)
+        with pytest.raises(UsageError, match="options must be a DiLoCoOptions"):
+            DiLoCoOptimizer(dht=dht, run_id="x", params=model.parameters(), inner_optimizer=INNER, options={})
+        with pytest.raises(UsageError, match="run_id"):
+            DiLoCoOptimizer(
+                dht=dht, run_id="a.b", params=model.parameters(), inner_optimizer=INNER, options=good
+            )
+        with pytest.raises(UsageError, match="params must be"):
+            DiLoCoOptimizer(dht=dht, run_id="x", params=[], inner_optimizer=INNER, options=good)
+        with pytest.raises(UsageError, match="only 4 parameter tensors"):
+            DiLoCoOptimizer(
+                dht=dht,
+                run_id="x",
+                params=model.parameters(),
+                inner_optimizer=INNER,
+                options=DiLoCoOptions(inner_steps=8, fragments=5),
+            )
+        with pytest.raises(UsageError, match="inner_optimizer"):
+            DiLoCoOptimizer(dht=dht, run_id="x", params=model.parameters(), inner_optimizer=3, options=good)
+    finally:
+        dht.shutdown()
+
+
+def test_fragments_split_parameters_evenly_and_in_order():
+    params = [torch.zeros(n) for n in (100, 10, 10, 80, 5, 95)]
+    groups = split_into_fragments(params, 3)
+    assert [sum(p.numel() for p in g) for g in groups] == [100, 100, 100]
+    assert [p for g in groups for p in g] == params
+    assert all(split_into_fragments(params, 6))

@@ -6,6 +6,7 @@ The public names mirror hivemind's, so `import plexus as hivemind` runs hivemind
 from .averaging.aggregation import RobustAggregation
 from .averaging.averager import DecentralizedAverager
 from .compression import (
+    Blockwise4BitQuantization,
     BlockwiseQuantization,
     CompressionBase,
     CompressionInfo,
@@ -51,6 +52,7 @@ from .version import __version__
 
 __all__ = [
     "DHT",
+    "Blockwise4BitQuantization",
     "BlockwiseQuantization",
     "CompressionBase",
     "CompressionInfo",

@@ -79,6 +79,7 @@ CODEC_ERROR = {  # the largest relative error (of the decoded answer) each lossy
     CompressionType.UNIFORM_8BIT: 0.5,
     CompressionType.QUANTILE_8BIT: 0.5,
     CompressionType.BLOCKWISE_8BIT: 0.5,
+    CompressionType.BLOCKWISE_4BIT: 1.0,
 }
 
 

@@ -22,7 +22,8 @@ Peers and faults. A peer that sees nobody else (or finds no group) applies its o
 pseudo-gradient. A pseudo-gradient holding NaN or inf is never sent: that peer contributes
 nothing and drops its round's local progress. The averager excludes members that send NaN or inf,
 bounds weights, and with `averager_opts=dict(robust=RobustAggregation(...))` clips outliers. A
-member that dies mid-round is dropped from it by the averager. A peer whose tracker shows the
+member that dies mid-round leaves a span unanswered; rounds take complete results only
+(`accept_partial=False`), so the others retry without it and still apply one identical update. A peer whose tracker shows the
 swarm at a later round (a newcomer, or one that missed a round) downloads the round-start
 parameters, the outer optimizer state and the round number from a peer (state sharing, as
 `plexus.Optimizer.load_state_from_peers` does) and contributes from there on.
@@ -144,7 +145,7 @@ class DiLoCoOptimizer:
             raise UsageError("inner_optimizer must be a torch optimizer or a factory: params -> optimizer")
         self.dht, self.run_id, self.options = dht, run_id, options
         self.client_mode = dht.client_mode if client_mode is None else client_mode
-        self.codec = PseudoGradientCodec(options.compression, options.error_feedback, options.topk_fraction)
+        self.codec = PseudoGradientCodec(options.compression, options.error_feedback)
         self.fragments = [
             _Fragment(index, group, self.codec, options)
             for index, group in enumerate(split_into_fragments(self.params, options.fragments))
@@ -172,6 +173,8 @@ class DiLoCoOptimizer:
                 prefix=f"{run_id}_diloco{fragment.index}" if options.fragments > 1 else f"{run_id}_diloco",
                 compression=self.codec.wire_compression,
                 state_source=self._current_state if fragment.index == 0 else None,
+                shared_lossy_answers=True,
+                compression_residuals=fragment.residuals if self.codec.loses_on_the_wire else None,
                 allow_state_sharing=False if fragment.index else None,
                 start=True,
                 **averager_opts,
@@ -273,6 +276,7 @@ class DiLoCoOptimizer:
                 expected_group_size=max(peers, 2),
                 alone_timeout=fragment.averager.request_timeout + self.options.matchmaking_time,
                 round_tag=f"diloco {fragment.index} {fragment.epoch}".encode(),
+                accept_partial=False,  # a member that died mid-round: retry without it, all alike
             )
         fragment.pending = (control, began, traffic, weight)
         if not self.options.overlapped:

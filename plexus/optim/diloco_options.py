@@ -12,7 +12,7 @@ import torch
 
 from ..errors import UsageError
 
-PSEUDO_GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "int4", "topk")
+PSEUDO_GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "int4")
 
 
 def default_outer_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
@@ -37,10 +37,8 @@ class DiLoCoOptions:
     outer_optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] = default_outer_optimizer
     """Builds the outer optimizer from parameters (e.g. `functools.partial(torch.optim.SGD, lr=0.7)`)."""
     compression: str = "none"
-    """How pseudo-gradients travel: "none" (float32), "fp16", "bf16", "int8" (blockwise 8-bit),
-    "int4" (blockwise 4-bit) or "topk" (the `topk_fraction` largest values and their indices)."""
-    topk_fraction: float = 0.01
-    """With compression="topk": the share of each tensor's values that is sent each round."""
+    """How pseudo-gradients travel: "none" (float32), "fp16", "bf16", "int8" (blockwise 8-bit) or
+    "int4" (blockwise 4-bit); see `pseudo_gradient.py`."""
     error_feedback: bool = True
     """Keep what compression lost of this peer's pseudo-gradient and add it to the next round's."""
     fragments: int = 1
@@ -76,8 +74,6 @@ class DiLoCoOptions:
             raise UsageError(
                 f"compression must be one of {', '.join(PSEUDO_GRADIENT_COMPRESSIONS)}, got {self.compression!r}"
             )
-        if not 0 < self.topk_fraction <= 1:
-            raise UsageError(f"topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if not (isinstance(self.fragments, int) and self.fragments >= 1):
             raise UsageError(f"fragments must be a positive integer, got {self.fragments!r}")
         if self.fragments > 1 and self.inner_steps is None:

@@ -92,7 +92,9 @@ def build(kind: str, dht: DHT, model, peers: int):
         averager_opts=dict(target_group_size=peers, min_group_size=peers, request_timeout=1.0),
         tracker_opts=dict(min_refresh_period=0.2, max_refresh_period=2.0),
     )
-    return DiLoCoOptimizer(dht=dht, run_id=kind, params=model.parameters(), inner_optimizer=adam, options=options)
+    return DiLoCoOptimizer(
+        dht=dht, run_id=kind, params=model.parameters(), inner_optimizer=adam, options=options
+    )
 
 
 def run(kind: str, peers: int, steps: int, target_loss: float) -> dict:
@@ -135,14 +137,20 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--target-loss", type=float, default=0.12)
-    parser.add_argument("--runs", nargs="+", default=["sync", "diloco", "diloco-int8", "diloco-int4", "streaming"])
+    parser.add_argument(
+        "--runs", nargs="+", default=["sync", "diloco", "diloco-int8", "diloco-int4", "streaming"]
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("plexus").setLevel(logging.ERROR)
     results = [run(kind, args.peers, args.steps, args.target_loss) for kind in args.runs]
     baseline = next((r for r in results if r["kind"] == "sync"), results[0])
-    print(f"{args.peers} peers, {args.steps} batches of {BATCH} each, target held-out loss {args.target_loss}")
-    print(f"{'run':<12} {'final loss':>10} {'s to target':>12} {'kB to target':>13} {'time x':>7} {'bytes x':>8}")
+    print(
+        f"{args.peers} peers, {args.steps} batches of {BATCH} each, target held-out loss {args.target_loss}"
+    )
+    print(
+        f"{'run':<12} {'final loss':>10} {'s to target':>12} {'kB to target':>13} {'time x':>7} {'bytes x':>8}"
+    )
     for r in results:
         if "seconds" in r and "seconds" in baseline:
             time_ratio = f"{baseline['seconds'] / r['seconds']:.1f}"

@@ -360,7 +360,33 @@ def test_convergence_against_synchronous_data_parallel_with_far_fewer_bytes():
             dht.shutdown()
 
 
+def test_robust_aggregation_passes_through_the_averager_options():
+    from plexus import RobustAggregation
+
+    options = fast_options(
+        2,
+        inner_steps=4,
+        averager_opts=dict(target_group_size=2, request_timeout=0.5, robust=RobustAggregation()),
+    )
+    peers = Peers(2, options)
+    try:
+        peers.train(4)
+        first, second = peers.optimizers
+        assert first.rounds[0].peers == second.rounds[0].peers == 2
+        assert first.fragments[0].averager.robust is not None
+        assert distance(first.fragments[0].start, second.fragments[0].start) == 0
+    finally:
+        peers.close()
+
+
 def test_bad_options_are_usage_errors():
+    from plexus import RobustAggregation
+
+    with pytest.raises(UsageError, match="cannot verify"):
+        DiLoCoOptions(inner_steps=4, compression="int8", averager_opts=dict(robust=RobustAggregation()))
+    DiLoCoOptions(
+        inner_steps=4, compression="int8", averager_opts=dict(robust=RobustAggregation(verify=False))
+    )
     with pytest.raises(UsageError, match="exactly one of"):
         DiLoCoOptions()
     with pytest.raises(UsageError, match="exactly one of"):

@@ -173,7 +173,7 @@ class DiLoCoOptimizer:
                 prefix=f"{run_id}_diloco{fragment.index}" if options.fragments > 1 else f"{run_id}_diloco",
                 compression=self.codec.wire_compression,
                 state_source=self._current_state if fragment.index == 0 else None,
-                shared_lossy_answers=True,
+                shared_lossy_answers=self.codec.loses_on_the_wire,
                 compression_residuals=fragment.residuals if self.codec.loses_on_the_wire else None,
                 allow_state_sharing=False if fragment.index else None,
                 start=True,

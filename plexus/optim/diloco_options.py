@@ -88,6 +88,12 @@ class DiLoCoOptions:
                 raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
         if not callable(self.outer_optimizer):
             raise UsageError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
+        robust = self.averager_opts.get("robust")
+        if self.compression in ("int8", "int4") and robust is not None and getattr(robust, "verify", False):
+            raise UsageError(
+                f"compression={self.compression!r} gives every member one quantized average, which "
+                "reducers cannot verify: pass robust=RobustAggregation(verify=False) (clipping stays)"
+            )
         reserved = {"prefix", "start", "dht", "averaged_tensors", "compression"} & set(self.averager_opts)
         if reserved:
             raise UsageError(f"averager_opts may not set {sorted(reserved)}: DiLoCoOptimizer sets them")

@@ -89,10 +89,10 @@ class DiLoCoOptions:
         if not callable(self.outer_optimizer):
             raise UsageError("outer_optimizer must be a factory: params -> torch.optim.Optimizer")
         robust = self.averager_opts.get("robust")
-        if self.compression in ("int8", "int4") and robust is not None and getattr(robust, "verify", False):
+        if robust is not None and getattr(robust, "verify", False):
             raise UsageError(
-                f"compression={self.compression!r} gives every member one quantized average, which "
-                "reducers cannot verify: pass robust=RobustAggregation(verify=False) (clipping stays)"
+                "DiLoCoOptimizer does not support verified reducers yet: pass "
+                "robust=RobustAggregation(verify=False) (CenteredClip stays on)"
             )
         reserved = {"prefix", "start", "dht", "averaged_tensors", "compression"} & set(self.averager_opts)
         if reserved:

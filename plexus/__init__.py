@@ -20,7 +20,10 @@ _EXPORTS = {
     "optim": ".optim",
     "p2p": ".p2p",
     "utils": ".utils",
+    "Blockwise4BitQuantization": ".compression",
     "BlockwiseQuantization": ".compression",
+    "DiLoCoOptimizer": ".optim",
+    "DiLoCoOptions": ".optim",
     "CompressionBase": ".compression",
     "CompressionInfo": ".compression",
     "DHT": ".dht.dht",
@@ -79,12 +82,15 @@ __all__ = [
     "AllReduceError",
     "AuthorizationError",
     "AveragingError",
+    "Blockwise4BitQuantization",
     "BlockwiseQuantization",
     "CompressionBase",
     "CompressionError",
     "CompressionInfo",
     "DHTBootstrapError",
     "DecentralizedAverager",
+    "DiLoCoOptimizer",
+    "DiLoCoOptions",
     "DialError",
     "Float16Compression",
     "GradScaler",
@@ -144,6 +150,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     from .averaging.matchmaking_state import MatchmakingStateError
     from .averaging.state_download import StateDownloadError, StateDownloadTimeout
     from .compression import (
+        Blockwise4BitQuantization,
         BlockwiseQuantization,
         CompressionBase,
         CompressionInfo,
@@ -175,6 +182,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     )
     from .moe.client.expert import RemoteExpertError
     from .optim import (
+        DiLoCoOptimizer,
+        DiLoCoOptions,
         GradientAverager,
         GradScaler,
         Optimizer,

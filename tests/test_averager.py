@@ -331,3 +331,74 @@ def test_a_round_started_right_after_a_cancelled_one_waits_for_it_instead_of_fai
             assert len(control_a.result(20)) == 2 and len(control_b.result(20)) == 2
     finally:
         close(a, b, *dhts)
+
+
+@pytest.mark.parametrize("codec", ["BLOCKWISE_8BIT", "BLOCKWISE_4BIT"])
+def test_shared_lossy_answers_give_everyone_the_same_values_and_residuals_what_was_lost(codec):
+    """With shared_lossy_answers every member ends bit-identical (the quantized average), and each
+    member's residuals hold exactly what quantization took from the parts it sent."""
+    from plexus.compression import BASE_COMPRESSION_TYPES, CompressionInfo
+
+    compression = BASE_COMPRESSION_TYPES[codec]
+    n = 3
+    dhts = make_swarm(n)
+    local = [
+        [torch.randn(5000, generator=torch.Generator().manual_seed(i)), torch.randn(300)] for i in range(n)
+    ]
+    originals = [[t.clone() for t in tensors] for tensors in local]
+    residuals = [[torch.full_like(t, 7.0) for t in tensors] for tensors in local]  # stale: must be reset
+    averagers = [
+        DecentralizedAverager(
+            local[i],
+            dht,
+            prefix="shared",
+            target_group_size=n,
+            compression=compression,
+            shared_lossy_answers=True,
+            compression_residuals=residuals[i],
+            part_size_bytes=1024,
+            start=True,
+            **FAST,
+        )
+        for i, dht in enumerate(dhts)
+    ]
+    try:
+        for control in [a.step(wait=False, timeout=20) for a in averagers]:
+            assert len(control.result()) == n
+        for tensors in local[1:]:
+            for mine, first in zip(tensors, local[0]):
+                assert torch.equal(mine, first), "every member holds the same values"
+        exact = [sum(t[k] for t in originals) / n for k in range(2)]
+        for k in range(2):
+            assert (local[0][k] - exact[k]).norm() / exact[k].norm() < 0.3
+        for i in range(n):
+            original, residual = torch.cat(originals[i]), torch.cat(residuals[i])
+            assert not bool((residual == 7.0).any()), "stale residuals were cleared"
+            sent = residual != 0  # parts reduced by others; its own span is used exactly
+            assert 0 < int(sent.sum()) < residual.numel()
+            decoded = original - residual
+            # what the reducers decoded is within the codec's error of what was sent
+            info = CompressionInfo.from_tensor(original)
+            again = compression.extract(compression.compress(original, info))
+            assert (decoded[sent] - original[sent]).abs().max() <= 2 * (again - original).abs().max()
+    finally:
+        close(*averagers, *dhts)
+
+
+def test_shared_lossy_answers_refuse_verified_rounds():
+    from plexus.averaging.aggregation import RobustAggregation
+
+    (dht,) = make_swarm(1)
+    try:
+        with pytest.raises(ValueError, match="shared_lossy_answers cannot be verified"):
+            DecentralizedAverager(
+                [torch.zeros(3)],
+                dht,
+                prefix="x",
+                shared_lossy_answers=True,
+                robust=RobustAggregation(verify=True),
+            )
+        with pytest.raises(ValueError, match="compression_residuals must have the shapes"):
+            DecentralizedAverager([torch.zeros(3)], dht, prefix="x", compression_residuals=[torch.zeros(4)])
+    finally:
+        dht.shutdown()

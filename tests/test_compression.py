@@ -110,13 +110,15 @@ def test_non_contiguous_and_requires_grad():
 # ---- lossy methods: stated error bounds on N(0, 1) data ------------------------------------------
 
 # Measured with this seed (100_000 elements): FLOAT16 2.1e-4, MEANSTD_16BIT 2.1e-4, UNIFORM_8BIT 9.2e-3,
-# QUANTILE_8BIT 2.8e-2, BLOCKWISE_8BIT dynamic 7.9e-3, linear 8.7e-3. The bounds leave some room.
+# QUANTILE_8BIT 2.8e-2, BLOCKWISE_8BIT dynamic 7.9e-3, linear 8.7e-3, BLOCKWISE_4BIT 0.148 (meant for
+# updates whose error is fed back). The bounds leave some room.
 ERROR_BOUNDS = {
     CompressionType.FLOAT16: 1e-3,
     CompressionType.MEANSTD_16BIT: 1e-3,
     CompressionType.UNIFORM_8BIT: 0.015,
     CompressionType.QUANTILE_8BIT: 0.04,
     CompressionType.BLOCKWISE_8BIT: 0.012,
+    CompressionType.BLOCKWISE_4BIT: 0.17,
 }
 
 
@@ -214,7 +216,7 @@ def deserialize_method(compression):
 
 # ---- NaN and inf: documented policy --------------------------------------------------------------
 # NONE: bit-exact. FLOAT16: NaN -> NaN, ±inf -> ±inf, finite beyond ±65504 saturates to ±65504.
-# MEANSTD_16BIT, UNIFORM_8BIT, QUANTILE_8BIT, BLOCKWISE_8BIT: NaN -> NaN, ±inf -> ±inf; statistics
+# MEANSTD_16BIT, UNIFORM_8BIT, QUANTILE_8BIT, BLOCKWISE_8BIT, BLOCKWISE_4BIT: NaN -> NaN, ±inf -> ±inf; statistics
 # are taken over the finite values only, so the finite values keep their usual precision.
 
 

@@ -415,3 +415,29 @@ def test_identity_file_keeps_the_peer_id(tmp_path):
 def test_connection_repr_shows_state():
     connection = Connection(PrivateKey.generate(), initiator=True)
     assert "upgrading" in repr(connection)
+
+
+def test_traffic_counters_see_every_byte_on_the_wire():
+    """What one host sends the other receives (framing and encryption included), and a payload
+    costs at least its own size: the counters that DiLoCo reports per round."""
+
+    async def main():
+        a, b = await hosts(2)
+        b.set_stream_handler("/test/echo/1.0.0", echo)
+        stream = await a.new_stream(b.get_visible_maddrs()[0], ["/test/echo/1.0.0"])
+        sent_before, _ = a.traffic.snapshot()
+        payload = os.urandom(200_000)
+        await stream.write(payload)
+        assert await stream.readexactly(len(payload)) == payload
+        await stream.close()
+        sent, received = a.traffic.snapshot()
+        assert len(payload) <= sent - sent_before < 1.1 * len(payload)
+        assert len(payload) <= received < 1.2 * len(payload)
+        for _ in range(200):  # b counts a's bytes as they arrive: poll for the last ones (2 s at most)
+            if b.traffic.bytes_received >= sent:
+                break
+            await asyncio.sleep(0.01)
+        assert b.traffic.bytes_received >= sent
+        await shutdown(a, b)
+
+    run(main())

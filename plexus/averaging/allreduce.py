@@ -185,6 +185,13 @@ class AllReduceRunner:
             justifies); peers not named are bounded only by `max_weight_ratio`.
         max_weight_ratio: no weight counts for more than this many times the group's lower-median
             positive weight. Robust rounds ignore both: every member of positive weight counts once.
+        shared_lossy_answers: a reducer answers lossily compressed parts with the compressed
+            average itself, the same message for every member, and applies what it decodes to
+            its own tensors too: every member ends with the same values, and each keeps its own
+            compression error (see `residuals`) instead of having it cancelled. For averaging
+            updates (DiLoCo's pseudo-gradients) rather than parameters. Not with `robust.verify`.
+        residuals: tensors like `tensors`; each part this peer sends lossily gets what the
+            compression lost of it (sent values minus what the reducer decodes), the rest zeros.
 
     A reducing runner (NODE or AUX with a non-empty span) must be registered with the host's
     `AllReduceRouter` before `run()`, so that senders' streams reach it.
@@ -213,6 +220,8 @@ class AllReduceRunner:
         robust: RobustAggregation | None = None,
         weight_limits: Mapping[PeerID, float] | None = None,
         max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
+        shared_lossy_answers: bool = False,
+        residuals: Sequence[torch.Tensor] | None = None,
     ):
         peers = list(ordered_peer_ids)
         modes = list(modes) if modes is not None else [AveragingMode.NODE] * len(peers)
@@ -255,6 +264,15 @@ class AllReduceRunner:
                 f"verifying reducers needs averaging_alpha=1 (got {averaging_alpha}): "
                 "members check the result they applied against what they sent"
             )
+        if shared_lossy_answers and self.verifying:
+            raise AllReduceError("shared_lossy_answers cannot be verified: members keep their own errors")
+        if residuals is not None and [r.shape for r in residuals] != [t.shape for t in tensors]:
+            raise AllReduceError("residuals must have the shapes of the tensors")
+        self.shared_lossy_answers = shared_lossy_answers
+        self.residuals = [residual.view(-1) for residual in residuals] if residuals is not None else None
+        if self.residuals is not None:
+            for residual in self.residuals:
+                residual.zero_()
         self.max_weight_ratio = max_weight_ratio
         self.weight_limits = {
             peers.index(peer): float(limit) for peer, limit in (weight_limits or {}).items() if peer in peers
@@ -467,6 +485,10 @@ class AllReduceRunner:
             dtype, compression, buffer = encode_tensor(
                 view, self.partition.compression_info(part), self.compression
             )
+            if self.residuals is not None and compression != CompressionType.NONE:
+                decoded = decode_tensor(part.numel, dtype, compression, buffer)
+                residual = self.residuals[part.tensor_index][part.start : part.stop]
+                residual.copy_(view.detach().cpu().to(residual.dtype)).sub_(decoded.to(residual.dtype))
             first = part.index == 0
             header = PartHeader(
                 part.index,

@@ -89,6 +89,13 @@ class DecentralizedAverager:
             justifies. Peers it leaves out are bounded by `max_weight_ratio` only.
         robust: a `RobustAggregation` for CenteredClip per part and verified reducers (default
             None: the plain weighted mean). All members of a group must pass equal options.
+
+    Averaging updates rather than parameters (DiLoCo's pseudo-gradients):
+        shared_lossy_answers: reducers answer lossily compressed parts with the compressed average,
+            one message for all, so every member ends with the same values (default False: each
+            member's own compression error cancels; see `allreduce.py`). Not with robust.verify.
+        compression_residuals: tensors like the averaged ones; each round writes there what the
+            compression lost of every part this peer sent (zeros elsewhere), for error feedback.
     """
 
     allreduce_runner = AllReduceRunner
@@ -127,6 +134,8 @@ class DecentralizedAverager:
         max_weight_ratio: float = DEFAULT_MAX_WEIGHT_RATIO,
         weight_limits: Callable[[Sequence[PeerID]], Mapping[PeerID, float]] | None = None,
         robust: RobustAggregation | None = None,
+        shared_lossy_answers: bool = False,
+        compression_residuals: Sequence[torch.Tensor] | None = None,
     ):
         if "." in prefix:
             raise ValueError(f"prefix must not contain '.', got {prefix!r}")
@@ -180,6 +189,19 @@ class DecentralizedAverager:
                 "robust=RobustAggregation(verify=True) needs averaging_alpha=1: members check "
                 "the result they applied"
             )
+        if shared_lossy_answers and robust is not None and robust.verify:
+            raise ValueError(
+                "shared_lossy_answers cannot be verified (members keep their own compression errors): "
+                "pass robust=RobustAggregation(verify=False)"
+            )
+        if compression_residuals is not None and [r.shape for r in compression_residuals] != [
+            t.shape for t in self._tensors
+        ]:
+            raise ValueError("compression_residuals must have the shapes of the averaged tensors")
+        self.shared_lossy_answers = shared_lossy_answers
+        self.compression_residuals = (
+            list(compression_residuals) if compression_residuals is not None else None
+        )
         self.reject_nonfinite, self.max_weight_ratio = reject_nonfinite, max_weight_ratio
         self.weight_limits, self.robust = weight_limits, robust
         self._allow_state_sharing = (
@@ -200,6 +222,8 @@ class DecentralizedAverager:
         layout: tuple = (schema, self.part_size_bytes, type(self.compression).__name__)
         if self.robust is not None:  # robust rounds speak more on the wire, and must clip alike
             layout += (repr(self.robust),)
+        if self.shared_lossy_answers:
+            layout += ("shared lossy answers",)
         return hashlib.sha256(repr(layout).encode()).digest()
 
     # --- life cycle --------------------------------------------------------------------------------
@@ -518,6 +542,8 @@ class DecentralizedAverager:
                 averaging_alpha=self.averaging_alpha,
                 tensor_infos=self.tensor_infos,
                 outputs=outputs,
+                shared_lossy_answers=self.shared_lossy_answers,
+                residuals=self.compression_residuals,
                 **self._member_checks(group.peer_ids),
             )
             with _routers[host].register(runner):

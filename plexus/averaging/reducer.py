@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..compression import CompressionError, CompressionType
+from ..compression import CompressionError, CompressionType, NoCompression
 from ..compression.base import tensor_bytes_view
 from ..compression.wire import dtype_name
 from ..errors import PeerMisbehaved
@@ -38,6 +38,7 @@ from .messages import (
     VerifyReport,
     VerifySeed,
     VerifyVerdict,
+    base_method,
     decode_tensor,
     encode_tensor,
 )
@@ -302,6 +303,19 @@ class SpanReducer:
             return AnswerHeader(index, kind, part.numel, name, compression, radius, weight).encode()
 
         shared = None
+        method = base_method(self.round.compression, self.partition.compression_info(part))
+        if self.round.shared_lossy_answers and not isinstance(method, NoCompression):
+            name, compression, buffer = encode_tensor(
+                average.to(dtype), self.partition.compression_info(part), self.round.compression
+            )
+            for sender in recipients:
+                state.take_lossy(sender)
+                self.channels[sender].push((header(AnswerKind.AVERAGE, sender, name, compression), buffer))
+            if target is not None:
+                self.partition.apply_average(
+                    part, decode_tensor(part.numel, name, compression, buffer), self.round.alpha
+                )
+            return
         for sender in recipients:
             x_decoded = state.take_lossy(sender)
             if x_decoded is None:

@@ -81,6 +81,7 @@ CODEC_ERROR: dict[
     CompressionType.UNIFORM_8BIT: 0.5,
     CompressionType.QUANTILE_8BIT: 0.5,
     CompressionType.BLOCKWISE_8BIT: 0.5,
+    CompressionType.BLOCKWISE_4BIT: 1.0,
 }
 
 

@@ -10,6 +10,7 @@ from .adaptive import (
     SizeAdaptiveCompression,
 )
 from .base import CompressionBase, CompressionInfo, NoCompression, TensorDescriptor, TensorRole
+from .blockwise4 import Blockwise4BitQuantization
 from .floating import Float16Compression, ScaledFloat16Compression
 from .quantization import BlockwiseQuantization, Quantile8BitQuantization, Uniform8BitQuantization
 from .serialization import (
@@ -29,6 +30,7 @@ from .wire import (
 __all__ = [
     "BASE_COMPRESSION_TYPES",
     "AdaptiveCompressionBase",
+    "Blockwise4BitQuantization",
     "BlockwiseQuantization",
     "CompressionBase",
     "CompressionError",

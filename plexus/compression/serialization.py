@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterable
 import torch
 
 from .base import CompressionBase, CompressionInfo, NoCompression
+from .blockwise4 import Blockwise4BitQuantization
 from .floating import Float16Compression, ScaledFloat16Compression
 from .quantization import BlockwiseQuantization, Quantile8BitQuantization, Uniform8BitQuantization
 from .wire import ChunkAssembler, CompressionError, CompressionType, SerializedTensor
@@ -22,6 +23,7 @@ BASE_COMPRESSION_TYPES: dict[str, CompressionBase] = {
     "UNIFORM_8BIT": Uniform8BitQuantization(),
     "QUANTILE_8BIT": Quantile8BitQuantization(),
     "BLOCKWISE_8BIT": BlockwiseQuantization(),
+    "BLOCKWISE_4BIT": Blockwise4BitQuantization(),
 }
 """One instance of each basic method, by its `CompressionType` name."""
 _BY_CODE = {CompressionType[name]: method for name, method in BASE_COMPRESSION_TYPES.items()}

@@ -27,6 +27,7 @@ MEANSTD_16BIT   numel float16 values, then per row (last axis) float32 means, fl
 UNIFORM_8BIT    256 float32 codebook entries, then numel uint8 codes
 QUANTILE_8BIT   256 float32 codebook entries, then numel uint8 codes
 BLOCKWISE_8BIT  256 float32 codebook entries, ceil(numel/4096) float32 absmax, numel uint8 codes
+BLOCKWISE_4BIT  ceil(numel/256) float32 absmax, ceil(numel/2) bytes of two 4-bit codes (Plexus's own)
 =============== ============================================================================
 """
 
@@ -48,6 +49,7 @@ MAX_SPAN = 2**48  # bound on the product of dims counted as at least 1 (the stri
 MAX_CHUNKS = 2**24
 CODEBOOK_SIZE = 256
 BLOCK_SIZE = 4096  # elements per block of BLOCKWISE_8BIT; fixed so the layout is self-describing
+BLOCK4_SIZE = 256  # elements per block of BLOCKWISE_4BIT: smaller blocks, since 4 bits are coarse
 DEFAULT_CHUNK_SIZE_BYTES = 2**16
 
 
@@ -69,6 +71,7 @@ class CompressionType(enum.IntEnum):
     QUANTILE_8BIT = 3
     UNIFORM_8BIT = 4
     BLOCKWISE_8BIT = 5
+    BLOCKWISE_4BIT = 6  # Plexus's own (hivemind has no 4-bit method)
 
     @classmethod
     def Name(cls, number: int) -> str:  # protobuf's enum API
@@ -133,6 +136,8 @@ def expected_buffer_length(compression: int, size: Sequence[int], dtype: str) ->
         return CODEBOOK_SIZE * 4 + numel
     if compression == CompressionType.BLOCKWISE_8BIT:
         return CODEBOOK_SIZE * 4 + 4 * -(-numel // BLOCK_SIZE) + numel
+    if compression == CompressionType.BLOCKWISE_4BIT:
+        return 4 * -(-numel // BLOCK4_SIZE) + -(-numel // 2)
     raise CompressionError(f"unknown compression type {compression!r}")
 
 

@@ -78,6 +78,20 @@ def host_decrypt_buffers() -> DecryptBuffers:
     return DecryptBuffers(RECEIVE_BUFFER_SIZE, MAX_PLAINTEXT_BUFFERS)
 
 
+class TrafficCounter:
+    """Bytes a host's connections moved over their sockets (encryption and framing included): how
+    callers measure what a protocol costs on the wire. One per host, shared by its connections."""
+
+    __slots__ = ("bytes_received", "bytes_sent")
+
+    def __init__(self):
+        self.bytes_sent = self.bytes_received = 0
+
+    def snapshot(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) so far."""
+        return self.bytes_sent, self.bytes_received
+
+
 class Phase(enum.Enum):
     UPGRADING = "upgrading"
     MUXED = "muxed"
@@ -106,6 +120,7 @@ class Connection(asyncio.BufferedProtocol):
         max_streams: int = 512,
         noise_suites: tuple[CipherSuite, ...] = tuple(SUITES.values()),
         decrypt_buffers: DecryptBuffers | None = None,
+        traffic: TrafficCounter | None = None,
     ):
         self.local_key, self.initiator, self.expected_peer = local_key, initiator, expected_peer
         self.noise_suites = noise_suites  # most preferred first
@@ -129,6 +144,7 @@ class Connection(asyncio.BufferedProtocol):
         self._decrypt_buffers = (
             decrypt_buffers or host_decrypt_buffers()
         )  # a connection without a host: its own
+        self.traffic = traffic or TrafficCounter()  # a connection without a host: its own
         self._data_arrived = asyncio.Event()
         self._made = asyncio.Event()
         self._eof_received = False
@@ -175,6 +191,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._end += nbytes
+        self.traffic.bytes_received += nbytes
         if self.phase is Phase.MUXED:
             try:
                 self._receive_muxed()
@@ -311,6 +328,7 @@ class Connection(asyncio.BufferedProtocol):
     def _write_raw(self, data: bytes) -> None:
         if data and self._transport is not None:
             self._transport.write(data)
+            self.traffic.bytes_sent += len(data)
 
     def _write_encrypted(self, data: bytes) -> None:
         view = memoryview(data)
@@ -434,6 +452,7 @@ class Connection(asyncio.BufferedProtocol):
         with memoryview(self._out) as view:
             spare = self._outputs.get()
             transport.write(view[:length] if spare is not None else bytes(view[:length]))
+        self.traffic.bytes_sent += length
         # the pool, the attribute and the argument; more: the transport's (never without a spare: copied)
         if spare is not None and sys.getrefcount(self._out) > 3:
             self._out = spare

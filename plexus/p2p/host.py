@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from ..errors import PeerError
 from ..utils.logging import RateLimitedLog, get_logger
 from .auth import AUTH_PROTOCOL, AuthGate, AuthorizerBase
-from .connection import Connection, OptimismRefused, host_decrypt_buffers
+from .connection import Connection, OptimismRefused, TrafficCounter, host_decrypt_buffers
 from .host_options import HostOptions
 from .identify import AGENT_VERSION, IdentifyService, describe
 from .identity import PeerID, PrivateKey
@@ -92,6 +92,8 @@ class Host:
         self._max_per_peer: dict[str, int] = {}  # protocol -> inbound streams one peer may hold on it
         self._connections: dict[PeerID, list[Connection]] = {}
         self._decrypt_buffers = host_decrypt_buffers()
+        self.traffic = TrafficCounter()
+        """Bytes all of this host's connections sent and received, ever (see `TrafficCounter`)."""
         self._pending_dials: dict[PeerID, asyncio.Task] = {}
         self._peers: dict[PeerID, PeerInfo] = {}
         self._servers: list[asyncio.AbstractServer] = []
@@ -324,6 +326,7 @@ class Host:
             max_streams=self.options.max_streams_per_connection,
             noise_suites=tuple(noise.SUITES[name] for name in self.options.noise_ciphers),
             decrypt_buffers=self._decrypt_buffers,
+            traffic=self.traffic,
         )
 
     def protect(self, connection: Connection) -> asyncio.BufferedProtocol:

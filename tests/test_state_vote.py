@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from plexus.averaging import state_download
+from plexus.averaging.state_download import StateDownloadError
 from plexus.averaging.state_vote import (
     MAX_LEAD,
     NORM_TOLERANCE,
@@ -180,5 +181,30 @@ def test_a_single_donor_is_adopted_whatever_its_state():
             assert metadata == state[0]
             assert_same(state[1], loaded)
             await sharing.shutdown()
+
+    run(main())
+
+
+def test_a_state_only_one_donor_offers_at_the_swarm_epoch_is_checked_against_older_ones(caplog):
+    """A peer that stepped alone (and blew up) must not be adopted just because the swarm's epoch,
+    which it pushed, is one that only it has reached; a healthy lone leader still is."""
+    caplog.set_level(logging.WARNING, logger="plexus")
+
+    async def main():
+        async with swarm(4) as (behind1, behind2, ahead, newcomer):
+            old = make_state()
+            older = [await share(peer, old, priority=1) for peer in (behind1, behind2)]
+            leader = await share(ahead, poisoned(old, 100.0), priority=2)
+            with pytest.raises(StateDownloadError, match="exceeds"):
+                await load(newcomer, min_priority=2, max_attempts=2)
+            named = [r.getMessage() for r in caplog.records if str(ahead.host.peer_id) in r.getMessage()]
+            assert named and "only it offers a state this new" in named[0], named
+            await leader.shutdown()
+            healthy = nudged(old, 0.05)
+            leader = await share(ahead, healthy, priority=2)
+            _, loaded = await load(newcomer, min_priority=2)
+            assert_same(healthy[1], loaded)
+            for sharing in (*older, leader):
+                await sharing.shutdown()
 
     run(main())

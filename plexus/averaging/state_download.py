@@ -11,7 +11,8 @@ that answer within one stall timeout vote (`state_vote.py`). Waiting stops early
 state holds more than half of the donors asked and no answer still to come could change that.
 A state held by a majority of the best donors is downloaded alone; when they disagree, each of
 their distinct states is downloaded and compared (norms, distances), and the donors whose
-state lost are named in a warning. Every chunk is a hash to fetch: a donor may serve it when its
+state lost are named in a warning. A state that one donor alone offers at `min_priority` while
+the others are older is checked against their states. Every chunk is a hash to fetch: a donor may serve it when its
 own manifest lists the same hash (so donors with identical state all serve, older ones
 included, and identical chunks, e.g. zeros, are fetched once). One worker per donor claims
 batches of chunks, verifies each against its SHA-256 and hands failed or corrupt batches back to
@@ -66,7 +67,7 @@ from .state_messages import (
     StateRequest,
 )
 from .state_sharing import MAX_ADDR_BYTES, MAX_DECLARED_ADDRS, all_averagers_key
-from .state_vote import MAX_LEAD, Ballot, Contender, Tally, content_key, judge, tally
+from .state_vote import MAX_LEAD, Ballot, Contender, Tally, content_key, judge, screen_alone, tally
 
 logger = get_logger(__name__)
 _refusals = RateLimitedLog(logger)  # a donor's poisoned state: once a minute
@@ -462,7 +463,8 @@ class _Download:
             votes = tally(ballots, self.min_priority)
             keys = [votes.majority] if votes.majority is not None else votes.keys
             wanted = {key: by_peer[votes.supporters(key)[0]][1] for key in keys}
-            board = self.board = _ChunkBoard(wanted.values(), self.have)
+            older = self._older_states(votes, answered, stated)
+            board = self.board = _ChunkBoard([*wanted.values(), *older.values()], self.have)
             self._log_plan(votes, wanted)
             for helper, helper_manifest, _ in answered:  # every donor serves the chunks its manifest lists
                 workers.add(self.loop.create_task(self.worker(helper, helper_manifest, board)))
@@ -486,6 +488,13 @@ class _Download:
             winner, reasons = (
                 (contenders[0], {}) if len(contenders) == 1 else judge(contenders, votes.credible)
             )
+            if older and (reason := screen_alone(winner, await self._references(older))) is not None:
+                (peer,) = winner.supporters
+                _outvoted.warning(
+                    ("alone", peer), f"not adopting the state {self.prefix!r} of {peer}: {reason}"
+                )
+                self._fail(Donor(peer, winner.priority), _DonorFailed(f"refused: {reason}"))
+                return None
             self._warn_outvoted(votes, winner, reasons)
             return self._metadata(winner, by_peer), list(winner.tensors)
         finally:
@@ -509,6 +518,34 @@ class _Download:
                 f"the {len(votes.tier)} donors of state {self.prefix!r} at priority {votes.credible} or "
                 f"above disagree: downloading their {len(wanted)} states ({total:.1f} MiB) to compare them"
             )
+
+    @staticmethod
+    def _older_states(
+        votes: Tally, answered: list, stated: dict[PeerID, float]
+    ) -> dict[bytes, StateManifest]:
+        """For a state only one donor offers: the older states the other donors answered with
+        (references for `screen_alone`), by content key; empty otherwise."""
+        if len(votes.tier) != 1:
+            return {}
+        older = {}
+        for donor, manifest, _ in answered:
+            if donor.peer_id != votes.tier[0].peer_id:
+                older.setdefault(content_key(manifest, stated[donor.peer_id]), manifest)
+        return older
+
+    async def _references(self, older: dict[bytes, StateManifest]) -> list[list[torch.Tensor]]:
+        """The older states that arrived whole, decode and are finite (the others are no reference)."""
+        references = []
+        for manifest in older.values():
+            if not self.board.holds(manifest):
+                continue
+            try:
+                tensors = await asyncio.to_thread(_assemble, manifest, self.have)
+            except CompressionError:
+                continue
+            if first_nonfinite(tensors) is None:
+                references.append(tensors)
+        return references
 
     async def _contenders(self, votes: Tally, wanted: dict[bytes, StateManifest]) -> list[Contender]:
         """The wanted states that arrived whole, decode and hold no NaN or inf. A disputed state

@@ -26,6 +26,14 @@ The rule
    one, but P for a donor more than `MAX_LEAD` ahead of P), then the smaller norm, then the
    donors' order.
 
+6. A state that a single donor offers at or above `min_priority`, while the other donors that
+   answered are all older (below it), wins no vote: that donor may be the one peer that stepped
+   alone (e.g. a hostile or broken peer that made the swarm believe it is ahead). Their older
+   states are downloaded too, as references only (they cannot win), and the lone state is
+   refused (`screen_alone`) if its norm exceeds `STALE_TOLERANCE` x the lower median of its own
+   and the references' norms: looser than `NORM_TOLERANCE`, since states epochs apart (or a
+   fresh peer's initial state) legitimately differ more.
+
 What it bounds: with a majority of honest, agreeing donors among those asked, a hostile one
 never wins. With honest donors that disagree, an outlier state (blown up, or far from the
 others) loses to the honest ones as soon as two of them are asked. What it cannot do: tell one
@@ -47,6 +55,7 @@ from ..p2p.identity import PeerID
 from .state_messages import StateManifest
 
 NORM_TOLERANCE = 2.0  # a candidate state larger than this x the lower median norm is refused
+STALE_TOLERANCE = 10.0  # the same, against older states, for a state only one donor offers
 MAX_LEAD = 1.0  # a donor may be believed this far ahead of the credible priority (a step of lag)
 
 
@@ -187,3 +196,17 @@ def judge(contenders: Sequence[Contender], credible: float) -> tuple[Contender, 
                 f"priority {winner.priority:g})"
             )
     return winner, reasons
+
+
+def screen_alone(alone: Contender, older: Sequence[Sequence[torch.Tensor]]) -> str | None:
+    """Step 6 of the rule: why the state only one donor offers is refused, or None if it stands."""
+    if not older:
+        return None
+    norm = alone.norm
+    median = lower_median([norm, *map(_norm, older)])
+    if norm > STALE_TOLERANCE * median:
+        return (
+            f"only it offers a state this new, and that state's norm {norm:.4g} exceeds "
+            f"{STALE_TOLERANCE:g} x the median norm {median:.4g} of it and the older donors' states"
+        )
+    return None

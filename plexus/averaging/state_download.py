@@ -486,9 +486,12 @@ class _Download:
                 self.incomplete_attempts += 1
                 return None
             winner, reasons = (
-                (contenders[0], {}) if len(contenders) == 1 else judge(contenders, votes.credible)
+                (contenders[0], {})
+                if len(contenders) == 1
+                else await asyncio.to_thread(judge, contenders, votes.credible)
             )
-            if older and (reason := screen_alone(winner, await self._references(older))) is not None:
+            references = await self._references(older) if older else []
+            if (reason := await asyncio.to_thread(screen_alone, winner, references)) is not None:
                 (peer,) = winner.supporters
                 _outvoted.warning(
                     ("alone", peer), f"not adopting the state {self.prefix!r} of {peer}: {reason}"

@@ -145,7 +145,7 @@ def _floating(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _norm(tensors: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(sum(float(tensor.double().square().sum()) for tensor in _floating(tensors)))
+    return math.hypot(*(float(torch.linalg.vector_norm(tensor.float())) for tensor in _floating(tensors)))
 
 
 def distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:
@@ -153,7 +153,7 @@ def distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> f
     a, b = _floating(first), _floating(second)
     if len(first) != len(second) or len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
         return math.inf
-    return math.sqrt(sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b)))
+    return math.hypot(*(float(torch.linalg.vector_norm(x.float() - y.float())) for x, y in zip(a, b)))
 
 
 def lower_median(values: Sequence[float]) -> float:
@@ -176,9 +176,10 @@ def judge(contenders: Sequence[Contender], credible: float) -> tuple[Contender, 
             )
         else:
             standing.append(contender)
-    distances = {
-        (a.key, b.key): distance(a.tensors, b.tensors) for a in standing for b in standing if a is not b
-    }
+    distances = {}
+    for index, a in enumerate(standing):
+        for b in standing[index + 1 :]:
+            distances[a.key, b.key] = distances[b.key, a.key] = distance(a.tensors, b.tensors)
     scores = {
         a.key: sum(len(b.supporters) * distances[a.key, b.key] for b in standing if b is not a)
         for a in standing

@@ -7,7 +7,8 @@ Theory of operation
 asks the first `max_donors` for manifests at once. A declaration may lag a step behind the
 donor's state, so what counts is the priority each manifest *states*; a state older than
 `min_priority` is never adopted. No single donor decides which state is adopted: the manifests
-that answer within one stall timeout vote (`state_vote.py`). Waiting stops early once one
+that answer within one stall timeout, and at most `vote_window` after the first usable one,
+vote (`state_vote.py`). Waiting stops early once one
 state holds more than half of the donors asked and no answer still to come could change that.
 A state held by a majority of the best donors is downloaded alone; when they disagree, each of
 their distinct states is downloaded and compared (norms, distances), and the donors whose
@@ -75,6 +76,7 @@ _outvoted = RateLimitedLog(logger)  # a donor whose state lost the vote: once a 
 
 DEFAULT_DOWNLOAD_TIMEOUT = 600.0
 BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.05, 2.0
+DEFAULT_VOTE_WINDOW = 2.0  # how long the other donors' manifests are awaited after the first usable one
 
 
 class StateDownloadError(RuntimeError):
@@ -266,7 +268,9 @@ class _Download:
         rng: random.Random,
         min_priority: float | None = None,
         reject_nonfinite: bool = True,
+        vote_window: float = DEFAULT_VOTE_WINDOW,
     ):
+        self.vote_window = vote_window
         self.host, self.prefix, self.deadline, self.stall_timeout = host, prefix, deadline, stall_timeout
         self.max_donors, self.batch_chunks, self.rng = max_donors, batch_chunks, rng
         self.min_priority, self.reject_nonfinite = min_priority, reject_nonfinite
@@ -401,9 +405,11 @@ class _Download:
         """The manifests that arrive within one stall timeout, in the donors' order.
 
         The vote needs every donor asked, so this waits for all of them, unless the outcome can
-        no longer change (`_settled`). Those still pending stay in `manifests`, to become helpers
+        no longer change (`_settled`), but no longer than `vote_window` after the first usable
+        manifest: a donor busy elsewhere (its training thread holding the state lock) must not
+        hold the newcomer back for a whole stall timeout. Those still pending stay in `manifests`, to become helpers
         when they answer."""
-        asked, answered = len(manifests), []
+        asked, answered, window_started = len(manifests), [], False
         wait_until = self.loop.time() + self._step_timeout()
         while manifests and (timeout := wait_until - self.loop.time()) > 0:
             done, _ = await asyncio.wait(manifests, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -413,6 +419,11 @@ class _Download:
                     answered.append((donor, *task.result()))
                 except Exception as error:
                     self._fail(donor, error)
+                    continue
+                priority = _stated_priority(donor, answered[-1][1])
+                if not window_started and (self.min_priority is None or priority >= self.min_priority):
+                    window_started = True  # a usable state is in: the others get `vote_window` more
+                    wait_until = min(wait_until, self.loop.time() + self.vote_window)
             if self._settled(answered, asked, pending=len(manifests)):
                 break
         return answered
@@ -641,6 +652,7 @@ async def load_state_from_peers(
     batch_chunks: int = 8,
     rng: random.Random | None = None,
     reject_nonfinite: bool = True,
+    vote_window: float = DEFAULT_VOTE_WINDOW,
 ) -> tuple[Any, list[torch.Tensor]] | None:
     """Download (metadata, tensors) from the peers sharing state under `prefix`.
 
@@ -656,6 +668,8 @@ async def load_state_from_peers(
         stall_timeout: the longest wait for any one reply or chunk before giving up on that donor.
         batch_chunks: chunks asked for per request (at most MAX_CHUNKS_PER_REQUEST).
         reject_nonfinite: refuse a state holding NaN or inf, and try the other donors.
+        vote_window: seconds the other donors' manifests are awaited once one usable manifest is
+            in (the vote is over those that answered by then; the rest only serve chunks).
 
     Returns:
         (metadata, tensors): CPU tensors in the donor's order, dtypes and shapes; or None when no
@@ -684,6 +698,7 @@ async def load_state_from_peers(
         rng or random.Random(),
         min_priority,
         reject_nonfinite,
+        vote_window,
     )
     attempts = 0
     try:

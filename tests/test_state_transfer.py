@@ -564,7 +564,7 @@ def test_chunk_board_dedups_claims_and_releases():
     manifest = StateManifest(
         b"i" * 16, b"", (TensorHeader((6 * 4096,), "uint8", 0, False, 6 * 4096),), 4096, b"".join(digests)
     )
-    board = _ChunkBoard(manifest, {digests[2]: b"already"})
+    board = _ChunkBoard([manifest], {digests[2]: b"already"})
     assert board.total == 2
     everything = {d: i for i, d in enumerate(digests)}
     first = board.claim(everything, 1)

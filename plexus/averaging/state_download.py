@@ -5,16 +5,26 @@ Theory of operation
 `load_state_from_peers` reads the donors' declarations (``{prefix}.all_averagers``, written by
 `state_sharing.py`) with latest=True, orders donors by declared priority (ties at random) and
 asks the first `max_donors` for manifests at once. A declaration may lag a step behind the
-donor's state, so the reference is the manifest that *states* the highest priority among those
-that answer within one stall timeout (sooner once one reaches `min_priority` and no pending donor
-declared more); a state older than `min_priority` is never adopted. Every chunk is then a hash
-to fetch: a donor may serve it when its own manifest lists the same hash (so donors with
-identical state all serve, older ones included, and identical chunks, e.g. zeros, are fetched
-once). One worker per donor claims batches of chunks, verifies each against its SHA-256 and
-hands failed or corrupt batches back to the pool; a donor that fails is not asked again in this
-call. An attempt ends when every chunk is in or when no donor can serve what is missing; the
-next attempt re-reads the DHT and keeps every chunk already verified. Everything runs under one
-deadline.
+donor's state, so what counts is the priority each manifest *states*; a state older than
+`min_priority` is never adopted. No single donor decides which state is adopted: the manifests
+that answer within one stall timeout, and at most `vote_window` after the first usable one,
+vote (`state_vote.py`). Waiting stops early once one
+state holds more than half of the donors asked and no answer still to come could change that.
+A state held by a majority of the best donors is downloaded alone; when they disagree, each of
+their distinct states is downloaded and compared (norms, distances), and the donors whose
+state lost are named in a warning. A state that one donor alone offers at `min_priority` while
+the others are older is checked against their states. Every chunk is a hash to fetch: a donor may serve it when its
+own manifest lists the same hash (so donors with identical state all serve, older ones
+included, and identical chunks, e.g. zeros, are fetched once). One worker per donor claims
+batches of chunks, verifies each against its SHA-256 and hands failed or corrupt batches back to
+the pool; a donor that fails is not asked again in this call. An attempt ends when every wanted
+chunk is in or when no donor can serve what is missing; the next attempt re-reads the DHT and
+keeps every chunk already verified. Everything runs under one deadline.
+
+Cost of the vote: the manifests of up to `max_donors` donors (asked in parallel, as before),
+waiting for the slowest of them unless a majority settles it first, and, only when the donors
+disagree, one download per distinct state (chunks they share are fetched once), all held in
+memory until the comparison is made.
 
 Results: (metadata, tensors); None when no donor declared itself (or all said they no longer
 share); `StateDownloadError` naming every donor tried and why it failed otherwise, or saying
@@ -59,12 +69,15 @@ from .state_messages import (
     StateRequest,
 )
 from .state_sharing import MAX_ADDR_BYTES, MAX_DECLARED_ADDRS, all_averagers_key
+from .state_vote import MAX_LEAD, Ballot, Contender, Tally, content_key, judge, screen_alone, tally
 
 logger = get_logger(__name__)
 _refusals = RateLimitedLog(logger)  # a donor's poisoned state: once a minute
+_outvoted = RateLimitedLog(logger)  # a donor whose state lost the vote: once a minute
 
 DEFAULT_DOWNLOAD_TIMEOUT = 600.0
 BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.05, 2.0
+DEFAULT_VOTE_WINDOW = 2.0  # how long the other donors' manifests are awaited after the first usable one
 
 
 class StateDownloadError(PeerError, RuntimeError):
@@ -153,13 +166,14 @@ class _Refused(Exception):
 class _ChunkBoard:
     """Which distinct chunk hashes are missing, claimed by a worker, or in hand. No I/O."""
 
-    def __init__(self, manifest: StateManifest, have: dict[bytes, bytes]):
+    def __init__(self, manifests: Iterable[StateManifest], have: dict[bytes, bytes]):
         self.have = have
         self.missing: dict[bytes, None] = {}  # unclaimed, in order (a dict keeps order and dedups)
         self.claimed: set[bytes] = set()
-        for index in range(manifest.num_chunks):
-            if (digest := manifest.chunk_hash(index)) not in have:
-                self.missing[digest] = None
+        for manifest in manifests:  # the states wanted: one, or every contender of a disputed vote
+            for index in range(manifest.num_chunks):
+                if (digest := manifest.chunk_hash(index)) not in have:
+                    self.missing[digest] = None
         self.total = len(self.missing)  # distinct chunks this download still needed when it began
         self._changed = asyncio.Event()
 
@@ -178,6 +192,10 @@ class _ChunkBoard:
             del self.missing[digest]
             self.claimed.add(digest)
         return batch
+
+    def holds(self, manifest: StateManifest) -> bool:
+        """Every chunk of `manifest` is in hand."""
+        return all(manifest.chunk_hash(index) in self.have for index in range(manifest.num_chunks))
 
     def can_help(self, servable: dict[bytes, int]) -> bool:
         return any(digest in servable for digest in self.missing) or any(d in servable for d in self.claimed)
@@ -226,6 +244,10 @@ def _stated_priority(donor: Donor, manifest: StateManifest) -> float:
     return donor.priority if manifest.priority is None else manifest.priority
 
 
+def _priority_of(votes: Tally, key: bytes) -> float:
+    return next(ballot.priority for ballot in votes.tier if ballot.key == key)
+
+
 def _describe(error: BaseException, stall_timeout: float) -> str:
     if isinstance(error, TimeoutError):
         return f"made no progress for {stall_timeout} s"
@@ -248,7 +270,9 @@ class _Download:
         rng: random.Random,
         min_priority: float | None = None,
         reject_nonfinite: bool = True,
+        vote_window: float = DEFAULT_VOTE_WINDOW,
     ):
+        self.vote_window = vote_window
         self.host, self.prefix, self.deadline, self.stall_timeout = host, prefix, deadline, stall_timeout
         self.max_donors, self.batch_chunks, self.rng = max_donors, batch_chunks, rng
         self.min_priority, self.reject_nonfinite = min_priority, reject_nonfinite
@@ -380,13 +404,14 @@ class _Download:
     async def _first_manifests(
         self, manifests: dict[asyncio.Task, Donor]
     ) -> list[tuple[Donor, StateManifest, Any]]:
-        """The manifests that arrive within one stall timeout, best declared donor first.
+        """The manifests that arrive within one stall timeout, in the donors' order.
 
-        Returns early once one states at least `min_priority` and every donor still pending
-        declared no more (without `min_priority` it waits for all: declarations may lag a step, so a
-        donor that declared the same priority may have moved on). Those still pending stay in
-        `manifests`, to become helpers when they answer."""
-        answered: list[tuple[Donor, StateManifest, Any]] = []
+        The vote needs every donor asked, so this waits for all of them, unless the outcome can
+        no longer change (`_settled`), but no longer than `vote_window` after the first usable
+        manifest: a donor busy elsewhere (its training thread holding the state lock) must not
+        hold the newcomer back for a whole stall timeout. Those still pending stay in `manifests`, to become helpers
+        when they answer."""
+        asked, answered, window_started = len(manifests), [], False
         wait_until = self.loop.time() + self._step_timeout()
         while manifests and (timeout := wait_until - self.loop.time()) > 0:
             done, _ = await asyncio.wait(manifests, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -396,15 +421,34 @@ class _Download:
                     answered.append((donor, *task.result()))
                 except Exception as error:
                     self._fail(donor, error)
-            if answered and self.min_priority is not None:
-                best = max(_stated_priority(donor, manifest) for donor, manifest, _ in answered)
-                if best >= max([self.min_priority, *(donor.priority for donor in manifests.values())]):
-                    break
+                    continue
+                priority = _stated_priority(donor, answered[-1][1])
+                if not window_started and (self.min_priority is None or priority >= self.min_priority):
+                    window_started = True  # a usable state is in: the others get `vote_window` more
+                    wait_until = min(wait_until, self.loop.time() + self.vote_window)
+            if self._settled(answered, asked, pending=len(manifests)):
+                break
         return answered
 
+    def _settled(self, answered: list, asked: int, pending: int) -> bool:
+        """True when one state is held by more than half of the donors asked, at a priority no two
+        other donors (answered ahead of it, or still pending) could outrank: no answer still to
+        come can change the vote (see `state_vote`)."""
+        groups: dict[bytes, tuple[float, int]] = {}
+        for donor, manifest, _ in answered:
+            priority = _stated_priority(donor, manifest)
+            if self.min_priority is None or priority >= self.min_priority:
+                key = content_key(manifest, priority)
+                groups[key] = (priority, groups.get(key, (priority, 0))[1] + 1)
+        for priority, count in groups.values():
+            ahead = sum(_stated_priority(donor, manifest) > priority for donor, manifest, _ in answered)
+            if 2 * count > asked and ahead + pending < 2:
+                return True
+        return False
+
     async def attempt(self, donors: list[Donor]) -> tuple[Any, list[torch.Tensor]] | None:
-        """Download the newest state the best donors state in their manifests; None if none is
-        new enough (`min_priority`) or they could not deliver every chunk."""
+        """Download the state the donors asked vote for (`state_vote`); None if none is new enough
+        (`min_priority`) or they could not deliver every chunk of any candidate."""
         candidates = [d for d in donors if self.may_ask(d)]
         manifests = {self.loop.create_task(self.fetch_manifest(d)): d for d in candidates[: self.max_donors]}
         workers: set[asyncio.Task] = set()
@@ -412,26 +456,30 @@ class _Download:
             answered = await self._first_manifests(manifests)
             if not answered:
                 return None
-            # the reference is the newest state, by what each donor states now, not what it declared
-            donor, manifest, metadata = max(answered, key=lambda item: _stated_priority(*item[:2]))
-            priority = _stated_priority(donor, manifest)
-            if self.min_priority is not None and priority < self.min_priority:
-                for other, other_manifest, _ in answered:
-                    stated = _stated_priority(other, other_manifest)
-                    self.notes[other.peer_id] = f"has state of priority {stated}, below {self.min_priority}"
+            # what each donor states now counts, not what it declared (a declaration may lag a step)
+            stated = {donor.peer_id: _stated_priority(donor, manifest) for donor, manifest, _ in answered}
+            by_peer = {donor.peer_id: (donor, manifest, metadata) for donor, manifest, metadata in answered}
+            ballots = [
+                Ballot(peer, priority, content_key(by_peer[peer][1], priority))
+                for peer, priority in stated.items()
+                if self.min_priority is None or priority >= self.min_priority
+            ]
+            if not ballots:
+                for peer, priority in stated.items():
+                    self.notes[peer] = f"has state of priority {priority}, below {self.min_priority}"
+                newest = max(stated.values())
                 self.newest_refused = max(
-                    priority, self.newest_refused if self.newest_refused is not None else priority
+                    newest, newest if self.newest_refused is None else self.newest_refused
                 )
                 self.incomplete_attempts += 1
                 return None
-            board = self.board = _ChunkBoard(manifest, self.have)
-            logger.info(
-                f"downloading state {self.prefix!r} from {donor.peer_id} "
-                f"(priority {priority}, declared {donor.priority}): "
-                f"{manifest.total_bytes / 2**20:.1f} MiB in {manifest.num_chunks} chunks, "
-                f"{len(self.have)} already in hand"
-            )
-            for helper, helper_manifest, _ in answered:  # older donors help with the chunks they share
+            votes = tally(ballots, self.min_priority)
+            keys = [votes.majority] if votes.majority is not None else votes.keys
+            wanted = {key: by_peer[votes.supporters(key)[0]][1] for key in keys}
+            older = self._older_states(votes, answered, stated)
+            board = self.board = _ChunkBoard([*wanted.values(), *older.values()], self.have)
+            self._log_plan(votes, wanted)
+            for helper, helper_manifest, _ in answered:  # every donor serves the chunks its manifest lists
                 workers.add(self.loop.create_task(self.worker(helper, helper_manifest, board)))
             pending = set(manifests) | workers
             while not board.complete and pending:
@@ -446,28 +494,129 @@ class _Download:
                     worker = self.loop.create_task(self.worker(helper, helper_manifest, board))
                     workers.add(worker)
                     pending.add(worker)
-            if not board.complete:
+            contenders = await self._contenders(votes, wanted)
+            if not contenders:
                 self.incomplete_attempts += 1
                 return None
-            try:
-                tensors = await asyncio.to_thread(_assemble, manifest, self.have)
-            except CompressionError as error:
-                self._fail(donor, _DonorFailed(f"sent a manifest whose tensors do not decode: {error}"))
-                return None
-            if self.reject_nonfinite and (bad := first_nonfinite(tensors)) is not None:
-                _refusals.warning(
-                    ("nonfinite state", donor.peer_id),
-                    f"refusing the state {self.prefix!r} of {donor.peer_id}: its tensor "
-                    f"{bad} holds NaN or inf",
+            winner, reasons = (
+                (contenders[0], {})
+                if len(contenders) == 1
+                else await asyncio.to_thread(judge, contenders, votes.credible)
+            )
+            references = await self._references(older) if older else []
+            if (reason := await asyncio.to_thread(screen_alone, winner, references)) is not None:
+                (peer,) = winner.supporters
+                _outvoted.warning(
+                    ("alone", peer), f"not adopting the state {self.prefix!r} of {peer}: {reason}"
                 )
-                self._fail(donor, _DonorFailed(f"sent a state whose tensor {bad} holds NaN or inf"))
+                self._fail(Donor(peer, winner.priority), _DonorFailed(f"refused: {reason}"))
                 return None
-            return metadata, tensors
+            self._warn_outvoted(votes, winner, reasons)
+            return self._metadata(winner, by_peer), list(winner.tensors)
         finally:
             leftovers = list(manifests) + list(workers)
             for task in leftovers:
                 task.cancel()
             await asyncio.gather(*leftovers, return_exceptions=True)
+
+    def _log_plan(self, votes: Tally, wanted: dict[bytes, StateManifest]) -> None:
+        total = sum(manifest.total_bytes for manifest in wanted.values()) / 2**20
+        if votes.majority is not None:
+            supporters = votes.supporters(votes.majority)
+            manifest = wanted[votes.majority]
+            logger.info(
+                f"downloading state {self.prefix!r} that {len(supporters)} of {len(votes.tier)} donors "
+                f"agree on (priority {_priority_of(votes, votes.majority)}, first {supporters[0]}): "
+                f"{total:.1f} MiB in {manifest.num_chunks} chunks, {len(self.have)} already in hand"
+            )
+        else:
+            logger.info(
+                f"the {len(votes.tier)} donors of state {self.prefix!r} at priority {votes.credible} or "
+                f"above disagree: downloading their {len(wanted)} states ({total:.1f} MiB) to compare them"
+            )
+
+    @staticmethod
+    def _older_states(
+        votes: Tally, answered: list, stated: dict[PeerID, float]
+    ) -> dict[bytes, StateManifest]:
+        """For a state only one donor offers: the older states the other donors answered with
+        (references for `screen_alone`), by content key; empty otherwise."""
+        if len(votes.tier) != 1:
+            return {}
+        older = {}
+        for donor, manifest, _ in answered:
+            if donor.peer_id != votes.tier[0].peer_id:
+                older.setdefault(content_key(manifest, stated[donor.peer_id]), manifest)
+        return older
+
+    async def _references(self, older: dict[bytes, StateManifest]) -> list[list[torch.Tensor]]:
+        """The older states that arrived whole, decode and are finite (the others are no reference)."""
+        references = []
+        for manifest in older.values():
+            if not self.board.holds(manifest):
+                continue
+            try:
+                tensors = await asyncio.to_thread(_assemble, manifest, self.have)
+            except CompressionError:
+                continue
+            if first_nonfinite(tensors) is None:
+                references.append(tensors)
+        return references
+
+    async def _contenders(self, votes: Tally, wanted: dict[bytes, StateManifest]) -> list[Contender]:
+        """The wanted states that arrived whole, decode and hold no NaN or inf. A disputed state
+        whose donors all failed in this call (a corrupt chunk, a dead stream) has no vote left."""
+        contenders = []
+        for key, manifest in wanted.items():
+            supporters = votes.supporters(key)
+            alive = [peer for peer in supporters if peer not in self.failures]
+            if not self.board.holds(manifest) or (votes.majority is None and not alive):
+                continue
+            try:
+                tensors = await asyncio.to_thread(_assemble, manifest, self.have)
+            except CompressionError as error:
+                for peer in supporters:
+                    self.failures[peer] = f"sent a manifest whose tensors do not decode: {error}"
+                continue
+            if self.reject_nonfinite and (bad := first_nonfinite(tensors)) is not None:
+                for peer in supporters:
+                    _refusals.warning(
+                        ("nonfinite state", peer),
+                        f"refusing the state {self.prefix!r} of {peer}: its tensor {bad} holds NaN or inf",
+                    )
+                    self.failures[peer] = f"sent a state whose tensor {bad} holds NaN or inf"
+                continue
+            contenders.append(Contender(key, _priority_of(votes, key), alive or supporters, tensors))
+        return contenders
+
+    def _warn_outvoted(self, votes: Tally, winner: Contender, reasons: dict[bytes, str]) -> None:
+        """Name every donor of the tier whose state was not adopted, and why."""
+        for ballot in votes.tier:
+            if ballot.key == winner.key or ballot.peer_id in self.failures:
+                continue
+            if ballot.key in reasons:
+                why = reasons[ballot.key]
+            else:
+                why = f"{len(votes.supporters(winner.key))} of the {len(votes.tier)} donors agree on another state"
+            if ballot.priority > votes.credible + MAX_LEAD:
+                why += (
+                    f"; the priority it states, {ballot.priority}, is ahead of the others' ({votes.credible})"
+                )
+            self.notes[ballot.peer_id] = f"outvoted: {why}"
+            _outvoted.warning(
+                ("outvoted", ballot.peer_id),
+                f"not adopting the state {self.prefix!r} of {ballot.peer_id} (outvoted): {why}",
+            )
+
+    @staticmethod
+    def _metadata(winner: Contender, by_peer: dict[PeerID, tuple[Donor, StateManifest, Any]]) -> Any:
+        """The metadata most of the winning state's donors sent (the first of them on a tie)."""
+        counts: dict[bytes, int] = {}
+        for peer in winner.supporters:
+            raw = by_peer[peer][1].metadata
+            counts[raw] = counts.get(raw, 0) + 1
+        best = max(counts, key=counts.__getitem__)  # max keeps the first of equal counts
+        return next(by_peer[peer][2] for peer in winner.supporters if by_peer[peer][1].metadata == best)
 
     def may_ask(self, donor: Donor) -> bool:
         return donor.peer_id not in self.failures and donor.peer_id not in self.not_sharing
@@ -505,6 +654,7 @@ async def load_state_from_peers(
     batch_chunks: int = 8,
     rng: random.Random | None = None,
     reject_nonfinite: bool = True,
+    vote_window: float = DEFAULT_VOTE_WINDOW,
 ) -> tuple[Any, list[torch.Tensor]] | None:
     """Download (metadata, tensors) from the peers sharing state under `prefix`.
 
@@ -515,10 +665,13 @@ async def load_state_from_peers(
         min_priority: adopt no state older than this (e.g. the swarm's epoch), judged by the priority
             each donor states in its manifest, not by its possibly stale DHT declaration; when no
             donor has reached it, `StateDownloadError` says so.
-        max_donors: donors asked for a manifest, and so fetched from in parallel, per round.
+        max_donors: donors asked for a manifest per round: the voters, and those fetched from in
+            parallel.
         stall_timeout: the longest wait for any one reply or chunk before giving up on that donor.
         batch_chunks: chunks asked for per request (at most MAX_CHUNKS_PER_REQUEST).
         reject_nonfinite: refuse a state holding NaN or inf, and try the other donors.
+        vote_window: seconds the other donors' manifests are awaited once one usable manifest is
+            in (the vote is over those that answered by then; the rest only serve chunks).
 
     Returns:
         (metadata, tensors): CPU tensors in the donor's order, dtypes and shapes; or None when no
@@ -547,6 +700,7 @@ async def load_state_from_peers(
         rng or random.Random(),
         min_priority,
         reject_nonfinite,
+        vote_window,
     )
     attempts = 0
     try:

@@ -543,7 +543,7 @@ class _Download:
         (references for `screen_alone`), by content key; empty otherwise."""
         if len(votes.tier) != 1:
             return {}
-        older = {}
+        older: dict[bytes, StateManifest] = {}
         for donor, manifest, _ in answered:
             if donor.peer_id != votes.tier[0].peer_id:
                 older.setdefault(content_key(manifest, stated[donor.peer_id]), manifest)
@@ -552,6 +552,7 @@ class _Download:
     async def _references(self, older: dict[bytes, StateManifest]) -> list[list[torch.Tensor]]:
         """The older states that arrived whole, decode and are finite (the others are no reference)."""
         references = []
+        assert self.board is not None, "called once the chunks were fetched"
         for manifest in older.values():
             if not self.board.holds(manifest):
                 continue
@@ -567,6 +568,7 @@ class _Download:
         """The wanted states that arrived whole, decode and hold no NaN or inf. A disputed state
         whose donors all failed in this call (a corrupt chunk, a dead stream) has no vote left."""
         contenders = []
+        assert self.board is not None, "called once the chunks were fetched"
         for key, manifest in wanted.items():
             supporters = votes.supporters(key)
             alive = [peer for peer in supporters if peer not in self.failures]
